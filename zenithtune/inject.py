@@ -1,0 +1,317 @@
+"""Option injection: put a candidate's options into the user's own training command.
+
+The tuner never rebuilds the command; it edits the argv the user wrote, so everything it does not
+tune (data paths, model flags, launcher options) reaches the trainer exactly as typed. The edit
+follows the spelling conventions of the two trainers we wrap:
+
+* Megatron-LM (``pretrain_gpt.py``): dashed names, booleans are bare flags (``--sequence-parallel``).
+* ms-swift (``megatron sft|pt|rlhf``, ``swift sft``): underscored names, booleans take a value
+  (``--sequence_parallel true``); dashed aliases also parse.
+
+``--tensor-model-parallel-size`` and ``--tensor_model_parallel_size`` are the same option (argparse
+maps both to one dest), so a second spelling would be a duplicate the trainer either rejects or
+silently resolves last-wins. Only tokens after the training script are options: a launcher's own
+options (``torchrun --nproc-per-node 8``) are never touched.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal, Mapping
+
+__all__ = ["REMOVE", "OptValue", "BoolStyle", "inject", "find_option", "canonical", "describe",
+           "options_start", "is_swift_command"]
+
+
+class _Remove(Enum):
+    """Sentinel type, so `REMOVE` has a type of its own and prints readably."""
+
+    REMOVE = "REMOVE"
+
+    def __repr__(self) -> str:
+        return "REMOVE"
+
+
+REMOVE = _Remove.REMOVE
+"""Map an option to this (or None) to delete it, with its value, from the command."""
+
+OptValue = str | int | float | bool | None | _Remove
+BoolStyle = Literal["flag", "value", "auto"]
+
+# Tokens after which the training options begin. A launcher never takes these as its own values.
+_SCRIPT_SUFFIXES = (".py", ".sh")
+_SWIFT_PROGRAMS = {"megatron", "swift"}
+_SWIFT_SUBCOMMANDS = {"sft", "pt", "rlhf"}
+_ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_BOOL_WORDS = {"true", "false"}
+
+
+def canonical(name: str) -> str:
+    """One key per option: argparse treats ``--a_b`` and ``--a-b`` alike, so we compare dashed names.
+
+    >>> canonical("--tensor_model_parallel_size")
+    '--tensor-model-parallel-size'
+    """
+    body = name[2:] if name.startswith("--") else name.lstrip("-")
+    return "--" + body.split("=", 1)[0].replace("_", "-")
+
+
+def _is_option(token: str) -> bool:
+    """``--name`` or ``--name=value``; a token whose name part holds whitespace is a quoted value."""
+    if not token.startswith("--") or token == "--":
+        return False
+    name = token.split("=", 1)[0]
+    return not any(ch.isspace() for ch in name)
+
+
+def _program_index(argv: list[str]) -> int:
+    """Index of the first token that is neither ``env`` nor a ``VAR=value`` assignment."""
+    i = 0
+    while i < len(argv) and (argv[i] == "env" or _ENV_ASSIGNMENT.match(argv[i])):
+        i += 1
+    return i
+
+
+def options_start(argv: list[str]) -> int:
+    """Index of the first training option: just after the script (``*.py``/``*.sh``), the module of
+    ``-m module``, or the ``megatron``/``swift`` subcommand. Tokens before it belong to launchers
+    (torchrun, python, env). Without any such marker every token after argv[0] is an option."""
+    for i, tok in enumerate(argv):
+        if tok == "-m":
+            return min(i + 2, len(argv))
+        if tok.startswith("-"):
+            continue
+        base = os.path.basename(tok)
+        if base.endswith(_SCRIPT_SUFFIXES):
+            return i + 1
+        if base in _SWIFT_PROGRAMS and (i == _program_index(argv) or
+                                        (i + 1 < len(argv) and argv[i + 1] in _SWIFT_SUBCOMMANDS)):
+            has_sub = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+            return i + 2 if has_sub else i + 1
+    return min(1, len(argv))
+
+
+def is_swift_command(argv: list[str]) -> bool:
+    """ms-swift style (underscores, ``true``/``false`` booleans): the program is ``megatron`` or
+    ``swift``, argv contains ``megatron sft|pt|rlhf``, or a ``-m`` module is part of a ``swift`` package
+    (e.g. the built-in ``zenithtune.sim.swift``)."""
+    p = _program_index(argv)
+    if p < len(argv) and os.path.basename(argv[p]) in _SWIFT_PROGRAMS:
+        return True
+    for i, tok in enumerate(argv[:-1]):
+        if os.path.basename(tok) == "megatron" and argv[i + 1] in _SWIFT_SUBCOMMANDS:
+            return True
+        if tok == "-m" and "swift" in argv[i + 1].split("."):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class _Occurrence:
+    """One option as the user wrote it."""
+
+    start: int  # index of the name token
+    end: int  # index after its last value token
+    name: str  # as spelled, e.g. "--tensor_model_parallel_size"
+    inline: bool  # written "--k=v"
+    values: tuple[str, ...]  # value tokens; () for a bare flag
+
+    @property
+    def key(self) -> str:
+        return canonical(self.name)
+
+    @property
+    def bool_value(self) -> str | None:
+        """The true/false word when the option is written as a boolean value, else None."""
+        if len(self.values) == 1 and self.values[0].lower() in _BOOL_WORDS:
+            return self.values[0]
+        return None
+
+    def rendered(self) -> str | None:
+        """The value as one string (None for a bare flag)."""
+        return " ".join(self.values) if self.values else None
+
+
+def _region(argv: list[str]) -> tuple[int, int]:
+    """[start, end) of the option tokens; a lone ``--`` ends argparse options, so it ends ours."""
+    start = options_start(argv)
+    end = argv.index("--", start) if "--" in argv[start:] else len(argv)
+    return start, end
+
+
+def _scan(argv: list[str]) -> list[_Occurrence]:
+    """Every option in the option region, in order. A value is every following token up to the next
+    option: negative numbers and quoted strings (even ``"--a 1"``) are values, and ``nargs`` options
+    such as ``--data-path 0.5 a 0.5 b`` keep all of theirs."""
+    start, end = _region(argv)
+    found: list[_Occurrence] = []
+    i = start
+    while i < end:
+        tok = argv[i]
+        if not _is_option(tok):
+            i += 1
+            continue
+        if "=" in tok:
+            name, value = tok.split("=", 1)
+            found.append(_Occurrence(i, i + 1, name, True, (value,)))
+            i += 1
+            continue
+        j = i + 1
+        while j < end and not _is_option(argv[j]):
+            j += 1
+        found.append(_Occurrence(i, j, tok, False, tuple(argv[i + 1:j])))
+        i = j
+    return found
+
+
+def _spell(key: str, underscore: bool) -> str:
+    return "--" + key[2:].replace("-", "_") if underscore else key
+
+
+def _prefers_underscore(found: list[_Occurrence], swift: bool) -> bool:
+    """The spelling most of the user's multi-word options use; ties go to the trainer's convention."""
+    under = sum(1 for o in found if "_" in o.name[2:] and "-" not in o.name[2:])
+    dash = sum(1 for o in found if "-" in o.name[2:] and "_" not in o.name[2:])
+    return under > dash if under != dash else swift
+
+
+def _check(options: Mapping[str, OptValue]) -> None:
+    for key, value in options.items():
+        if not isinstance(key, str) or not key.startswith("--") or len(key) < 3:
+            fix = "--" + str(key).lstrip("-")
+            raise ValueError(f"option name {key!r} must be written with two dashes: use {fix!r}")
+        if value is not None and value is not REMOVE and not isinstance(value, (str, int, float)):
+            raise ValueError(f"option {key} has value {value!r} of type {type(value).__name__}; "
+                             f"use a str, int, float, bool, or None/REMOVE to remove it")
+    seen: dict[str, str] = {}
+    for key in options:
+        if canonical(key) in seen:
+            raise ValueError(f"option {canonical(key)} is given twice (as {seen[canonical(key)]!r} and "
+                             f"{key!r}); keep one spelling")
+        seen[canonical(key)] = key
+
+
+def _bool_word(value: bool, like: str | None) -> str:
+    """true/false in the capitalisation the user already uses for this option."""
+    word = "true" if value else "false"
+    return word.capitalize() if like and like[0].isupper() else word
+
+
+def inject(argv: list[str], options: Mapping[str, OptValue], *,
+           bool_style: BoolStyle = "auto") -> list[str]:
+    """Return a copy of ``argv`` with ``options`` set.
+
+    ``options`` maps dashed names to values: str/int/float → ``--k v``; True → flag present (or
+    ``--k true``); None/REMOVE → option and its value removed; False → removed for flags, ``--k false``
+    where booleans take values. An option already present is updated in place, keeping its form
+    (``--k v``/``--k=v``) and spelling; later duplicates are dropped. A missing one is appended in the
+    spelling most of the command's options use.
+
+    ``bool_style``: ``flag`` (Megatron), ``value`` (ms-swift), or ``auto`` — the form the option
+    already has, else ``value`` for ms-swift commands and ``flag`` otherwise.
+    """
+    if bool_style not in ("flag", "value", "auto"):
+        raise ValueError(f"bool_style {bool_style!r} is not one of flag, value, auto")
+    _check(options)
+    found = _scan(argv)
+    swift = is_swift_command(argv)
+    underscore = _prefers_underscore(found, swift)
+    _, end = _region(argv)
+
+    replace: dict[int, list[str]] = {}  # occurrence start -> new tokens
+    drop: set[int] = set()  # occurrence starts to delete
+    spans = {o.start: o for o in found}
+    appended: list[str] = []
+    for key, value in options.items():
+        key = canonical(key)
+        mine = [o for o in found if o.key == key]
+        first = mine[0] if mine else None
+        drop.update(o.start for o in mine[1:])
+        if value is None or value is REMOVE:
+            if first:
+                drop.add(first.start)
+            continue
+        name = first.name if first else _spell(key, underscore)
+        inline = first.inline if first else False
+        if isinstance(value, bool):
+            style = bool_style
+            if style == "auto":
+                if first and (first.bool_value or not first.values):
+                    style = "value" if first.bool_value else "flag"
+                else:
+                    style = "value" if swift else "flag"
+            if style == "flag":
+                if not value:
+                    if first:
+                        drop.add(first.start)
+                    continue
+                tokens = [name]
+            else:
+                word = _bool_word(value, first.bool_value if first else None)
+                tokens = [f"{name}={word}"] if inline else [name, word]
+        else:
+            text = str(value)
+            tokens = [f"{name}={text}"] if inline else [name, text]
+        if first:
+            replace[first.start] = tokens
+        else:
+            appended += tokens
+
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if i in spans and (i in drop or i in replace):
+            occ = spans[i]
+            if i not in drop:
+                out += replace[i]
+            i = occ.end
+            continue
+        if i == end:
+            out += appended
+            appended = []
+        out.append(argv[i])
+        i += 1
+    return out + appended
+
+
+def find_option(argv: list[str], name: str) -> str | bool | None:
+    """Current value of an option in any spelling: ``--k v``/``--k=v`` → ``"v"`` (several value tokens
+    joined by a space), bare flag → True, absent → None. The first occurrence wins."""
+    key = canonical(name)
+    for occ in _scan(argv):
+        if occ.key == key:
+            text = occ.rendered()
+            return True if text is None else text
+    return None
+
+
+def describe(argv_before: list[str], argv_after: list[str]) -> list[str]:
+    """Human-readable option changes for the trial log: ``--micro-batch-size 1 -> 4``,
+    ``+ --sequence-parallel``, ``- --recompute-method uniform``."""
+    def table(argv: list[str]) -> dict[str, list[_Occurrence]]:
+        t: dict[str, list[_Occurrence]] = {}
+        for occ in _scan(argv):
+            t.setdefault(occ.key, []).append(occ)
+        return t
+
+    def show(occ: _Occurrence) -> str:
+        text = occ.rendered()
+        return occ.name if text is None else f"{occ.name} {text}"
+
+    before, after = table(argv_before), table(argv_after)
+    lines: list[str] = []
+    for key, occs in after.items():
+        new = occs[0]
+        if key not in before:
+            lines.append(f"+ {show(new)}")
+            continue
+        old = before[key][0]
+        if old.rendered() != new.rendered():
+            lines.append(f"{new.name} {old.rendered() or '(flag)'} -> {new.rendered() or '(flag)'}")
+        lines += [f"- {show(o)} (duplicate)" for o in before[key][len(occs):]]
+    for key, occs in before.items():
+        if key not in after:
+            lines += [f"- {show(o)}" for o in occs]
+    return lines
