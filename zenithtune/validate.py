@@ -7,12 +7,16 @@ parsed arguments, so the two always agree on what Megatron accepts (see shared M
 Rules of kind ``megatron`` are what Megatron itself rejects. Rules of kind ``prune`` are the tuner's
 own policy (never launch something pointless); the simulator does not apply those.
 Rules whose inputs are unknown (a None field in ModelInfo) do not fire.
+
+A ``prune`` rule that is a user-facing switch (e.g. preset ``vlm_full_uniform_only: false``) is turned
+off by name: ``check(layout, model, skip=("vlm_full_uniform_only",))``. Rule functions keep the one
+`(layout, model)` signature; the switch lives with the caller that owns the setting.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Collection, Literal
 
 from zenithtune.modelinfo import ModelInfo
 
@@ -258,6 +262,18 @@ def cp_only_when_seq_known_fits(lay: Layout, model: ModelInfo) -> str | None:
     return None
 
 
+def vlm_full_uniform_only(lay: Layout, model: ModelInfo) -> str | None:
+    if not model.is_vlm:
+        return None
+    if lay.recompute_granularity == "selective":
+        return ("VLM: selective recompute is not tried (upstream disables it for VLMs; "
+                "set vlm_full_uniform_only=false to allow it)")
+    if lay.recompute_method == "block":
+        return ("VLM: only the uniform recompute method is tried (upstream disables block for VLMs; "
+                "set vlm_full_uniform_only=false to allow it)")
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule("world_divisible", "megatron", world_divisible, "every GPU needs a place on the tp x pp x cp x dp grid"),
     Rule("expert_grid", "megatron", expert_grid_divisible, "experts live on a second grid etp x ep x pp x expert-dp"),
@@ -275,17 +291,26 @@ RULES: tuple[Rule, ...] = (
     Rule("etp_le_tp", "prune", etp_not_above_tp, "ETP beyond TP adds traffic and never saves memory the dense part needs"),
     Rule("etp_dense", "prune", etp_only_for_moe, "ETP only applies to expert layers"),
     Rule("cp_short_seq", "prune", cp_only_when_seq_known_fits, "CP on short sequences is pure overhead"),
+    Rule("vlm_full_uniform_only", "prune", vlm_full_uniform_only,
+         "upstream ZenithTune recomputes VLMs only with full/uniform; a switch, see check(skip=...)"),
 )
 
 RULES_BY_NAME = {r.name: r for r in RULES}
 
 
 def check(lay: Layout, model: ModelInfo, *, kinds: tuple[RuleKind, ...] = ("megatron", "prune"),
-          rules: tuple[Rule, ...] | None = None) -> list[tuple[str, str]]:
-    """Every broken rule as (rule name, reason); empty means valid."""
+          rules: tuple[Rule, ...] | None = None, skip: Collection[str] = ()) -> list[tuple[str, str]]:
+    """Every broken rule as (rule name, reason); empty means valid.
+
+    `skip` names rules the caller has switched off (only ``prune`` rules may be: Megatron's own
+    rules are not optional)."""
+    unknown = set(skip) - {r.name for r in RULES if r.kind == "prune"}
+    if unknown:
+        raise ValueError(f"check(skip={sorted(unknown)}): only prune rules can be skipped; they are "
+                         f"{[r.name for r in RULES if r.kind == 'prune']}")
     out: list[tuple[str, str]] = []
     for rule in rules if rules is not None else RULES:
-        if rule.kind not in kinds:
+        if rule.kind not in kinds or rule.name in skip:
             continue
         reason = rule.check(lay, model)
         if reason:
