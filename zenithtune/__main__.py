@@ -1,0 +1,47 @@
+"""`python -m zenithtune [hydra overrides] [-- command ...]`.
+
+Everything after the first lone `--` is the wrapped training command, kept as an argv list and
+handed to the config through the environment (see zenithtune.resolvers); the rest goes to Hydra.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from zenithtune.resolvers import COMMAND_ENV
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    if "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def _search_path_override(hydra_args: list[str]) -> list[str]:
+    """A user's own ./conf (e.g. conf/tuned/NAME.yaml) is on the search path next to ours."""
+    local = Path.cwd() / "conf"
+    if local.is_dir() and not any(a.startswith("hydra.searchpath") for a in hydra_args):
+        return [f"hydra.searchpath=[file://{local}]"]
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    hydra_args, command = split_command(argv)
+    if command is not None:
+        if not command:
+            print("zenithtune: error: nothing after `--`: give the training command, "
+                  "e.g. -- torchrun --nproc-per-node 8 pretrain_gpt.py ...", file=sys.stderr)
+            return 2
+        os.environ[COMMAND_ENV] = json.dumps(command)
+    hydra_args = hydra_args + _search_path_override(hydra_args)
+    from zenithtune.hydra_main import run_hydra
+
+    return run_hydra(hydra_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Everything a study needs that is fixed for its whole life, built once from the config.
+
+`build_job(cfg)` checks the user's input (one clear line per problem), resolves the model shape,
+the GPU memory, the search space, the strategy, the evaluator and the memory model. The sweeper asks
+`Job` for memory predictions, pruning and per-trial timeouts, and feeds it every outcome.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from zenithtune.app import UserError, wrapped_command
+from zenithtune.inject import find_option
+from zenithtune.space import Context, Space, Survey, mbs_values
+from zenithtune.strategies import Outcome, Strategy
+
+# Memory of the GPUs the built-in simulator can play (`--sim-gpu`), so a simulated study needs no
+# gpu_memory_gb.
+SIM_GPU_MEMORY_GB = {"h100": 80.0, "h200": 141.0, "a100-80g": 80.0, "a100-40g": 40.0}
+
+
+@dataclass
+class Job:
+    cfg: DictConfig
+    command: list[str]
+    ctx: Context
+    space: Space
+    survey: Survey
+    strategy: Strategy
+    evaluator: Any
+    memory: Any  # zenithtune.memory.MemoryModel
+    memory_source: str
+    predicted_oom_count: int = 0
+    durations: list[float] = field(default_factory=list)  # successful trials' wall times
+
+    # --- memory ------------------------------------------------------------------------------------
+    def _mem_kw(self, cand: dict) -> dict:
+        return {"distributed_optimizer": self.ctx.distributed_optimizer,
+                "vit_checkpointing": self.space.vit_checkpointing(cand)}
+
+    def predict_gb(self, cand: dict) -> float | None:
+        if self.memory is None:
+            return None
+        return self.memory.predict(self.space.layout(cand), self.ctx.model, **self._mem_kw(cand))
+
+    def predicted_oom(self, cand: dict) -> str | None:
+        if self.memory is None:
+            return None
+        return self.memory.predicted_oom(self.space.layout(cand), self.ctx.model, **self._mem_kw(cand))
+
+    def observe(self, o: Outcome) -> None:
+        """Learn from a launched trial: memory evidence and (for dynamic timeouts) its duration."""
+        if not o.launched:
+            return
+        lay = self.space.layout(o.candidate)
+        kw = self._mem_kw(o.candidate)
+        if self.memory is not None:
+            if o.state == "complete":
+                self.memory.observe_success(lay, self.ctx.model, o.measured_gb, **kw)
+            elif o.kind == "oom":
+                self.memory.observe_oom(lay, self.ctx.model, **kw)
+        if o.state == "complete" and o.duration:
+            self.durations.append(float(o.duration))
+
+    # --- timeouts ----------------------------------------------------------------------------------
+    def trial_timeout(self) -> float | None:
+        """Fixed `timeout`, or with `timeout_dynamic`: factor x the fastest successful trial's wall
+        time, at least the floor, never above the fixed timeout. No limit before a first success."""
+        fixed = self.cfg.get("timeout")
+        fixed = float(fixed) if fixed else None
+        if not self.cfg.get("timeout_dynamic") or not self.durations:
+            return fixed
+        dyn = max(float(self.cfg.get("timeout_dynamic_floor", 60.0)),
+                  float(self.cfg.get("timeout_dynamic_factor", 3.0)) * min(self.durations))
+        return min(dyn, fixed) if fixed else dyn
+
+    # --- results -----------------------------------------------------------------------------------
+    def tuned_yaml(self, best: Any, study: str, name: str | None) -> str:
+        from zenithtune.inject import inject
+        from zenithtune.study import tuned_yaml
+
+        cand = best.user_attrs.get("candidate") or dict(best.params)
+        # The command as the user wrote it, with the tuned options taken out (they live in params).
+        plain = inject(self.command, {o: None for o in self.space.options(cand)})
+        strategy = OmegaConf.select(self.cfg, "strategy._target_", default="?").rsplit(".", 1)[-1]
+        return tuned_yaml(params=cand, n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs, score=best.value,
+                          metric=self.evaluator.metric_name, trial=best.number, study=study,
+                          strategy=strategy, model=self.cfg.get("model") or self.ctx.model.name,
+                          command=plain, name=name)
+
+
+def _positive_int(cfg: DictConfig, key: str, example: str) -> int:
+    if OmegaConf.is_missing(cfg, key):
+        raise UserError(f"{key} is required: add {key}=N to the command line (e.g. {example})")
+    value = cfg.get(key)
+    try:
+        n = int(value)
+        if n != float(value) or n <= 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={value!r} must be a positive whole number (e.g. {example})") from None
+    return n
+
+
+def gpu_memory(cfg: DictConfig, command: list[str]) -> tuple[float, str]:
+    from zenithtune.memory import gpu_capacity_gb
+
+    if cfg.get("gpu_memory_gb"):
+        return float(cfg.gpu_memory_gb), "gpu_memory_gb"
+    sim_gpu = find_option(command, "--sim-gpu")
+    if isinstance(sim_gpu, str) and sim_gpu.lower() in SIM_GPU_MEMORY_GB:
+        return SIM_GPU_MEMORY_GB[sim_gpu.lower()], f"--sim-gpu {sim_gpu}"
+    return gpu_capacity_gb(None), "nvidia-smi or the 80 GB default"
+
+
+def build_job(cfg: DictConfig) -> Job:
+    from hydra.utils import instantiate
+
+    from zenithtune import modelinfo
+    from zenithtune.memory import MemoryModel
+    from zenithtune.run import command_problem
+
+    n_gpus = _positive_int(cfg, "n_gpus", "n_gpus=8 gbs=64")
+    gbs = _positive_int(cfg, "gbs", "n_gpus=8 gbs=64")
+    mbs_max = _positive_int(cfg, "mbs_max", "mbs_max=8")
+    n_trials = _positive_int(cfg, "n_trials", "n_trials=50")
+    del n_trials
+    if not mbs_values(mbs_max, gbs):
+        raise UserError(f"gbs={gbs} is not divisible by any micro-batch size 1..{mbs_max}")
+    command = wrapped_command(cfg)
+    problem = command_problem(command)
+    if problem:
+        raise UserError(problem)
+    explicit = {k: cfg.get(k) for k in ("num_layers", "num_query_groups", "seq_length") if cfg.get(k) is not None}
+    model = modelinfo.resolve(explicit=explicit, argv=command, model=cfg.get("model"))
+    capacity, source = gpu_memory(cfg, command)
+    preset = OmegaConf.to_container(cfg.preset, resolve=True)
+    ctx = Context(n_gpus=n_gpus, gbs=gbs, model=model, mbs_max=mbs_max,
+                  gpus_per_node=int(cfg.get("gpus_per_node") or 8), gpu_memory_gb=capacity,
+                  distributed_optimizer=bool(find_option(command, "--use-distributed-optimizer")),
+                  vlm_full_uniform_only=bool(preset.get("vlm_full_uniform_only", True)))
+    space = Space.from_preset(preset, ctx)
+    memory = MemoryModel(capacity, safety_margin=float(cfg.get("memory_safety_margin", 0.10)))
+    survey = Survey()
+    valid = list(space.walk(survey))
+    if not valid:
+        top = survey.removed.most_common(1)
+        why = survey.reasons[top[0][0]] if top else "the preset has no parameters"
+        if top and top[0][0] == "gbs":
+            raise UserError(f"gbs={gbs} fits no layout: {why}; choose a gbs divisible by the data-parallel sizes")
+        raise UserError(f"no valid configuration for n_gpus={n_gpus}, gbs={gbs}: e.g. {why}")
+    strategy = instantiate(cfg.strategy)
+    evaluator = instantiate(cfg.evaluator)
+    job = Job(cfg=cfg, command=command, ctx=ctx, space=space, survey=survey, strategy=strategy,
+              evaluator=evaluator, memory=memory, memory_source=source)
+    job.predicted_oom_count = sum(1 for c in valid if job.predicted_oom(c))
+    return job

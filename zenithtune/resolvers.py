@@ -1,0 +1,28 @@
+"""OmegaConf resolvers used by conf/config.yaml.
+
+The wrapped command arrives as an argv list (everything after a lone `--`). It is passed from
+`__main__` to the config through an environment variable holding JSON rather than through Hydra's
+override grammar, so quotes, `$`, `=` and commas in a user's command survive untouched; the
+environment also reaches jobs that a launcher runs in another process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from omegaconf import OmegaConf
+
+COMMAND_ENV = "ZENITHTUNE_COMMAND"
+
+
+def _command(default: Any = None) -> Any:
+    raw = os.environ.get(COMMAND_ENV)
+    if raw is None:
+        return default
+    return json.loads(raw)
+
+
+OmegaConf.register_new_resolver("zt.command", _command, replace=True)
+OmegaConf.register_new_resolver("zt.python", lambda: sys.executable, replace=True)

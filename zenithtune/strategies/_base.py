@@ -1,0 +1,103 @@
+"""The strategy interface: propose the next candidate from what the study has seen so far.
+
+Life of a strategy in a study (the zenithtune sweeper drives it):
+
+1. ``Strategy(**cfg)`` — Hydra instantiates it from ``conf/strategy/<name>.yaml``.
+2. ``sampler()`` — the Optuna sampler the study is created with. It only fills the parameters a
+   proposal leaves open (staged_blackbox, tpe); deterministic strategies leave nothing open.
+3. ``setup(space, memory, history)`` — once, before the first proposal, with the job's `Space`
+   (its ``ctx`` is the `Context`), the study's memory model (may be None) and the outcomes already
+   in the study (a resumed study); default: keep them.
+4. ``ask()`` — the next `Proposal`, or None when the strategy has nothing left to try. A proposal
+   fixes some or all parameters; the sweeper samples the rest through the study's sampler, checks
+   the candidate (structural rules, predicted OOM, already measured) and launches it or not.
+5. ``tell(outcome)`` — every proposal's `Outcome`, launched or not (hook; default: remember it).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import optuna
+
+    from zenithtune.memory import MemoryModel
+    from zenithtune.space import Candidate, Space
+
+State = Literal["complete", "failed", "pruned"]
+
+
+@dataclass
+class Proposal:
+    fixed: dict[str, Any]  # parameters the strategy chose; the rest are sampled
+    why: str = ""  # one line shown with the launch ("largest TP inside a node, ...")
+    stage: str | None = None  # staged strategies: which stage proposed it
+
+
+@dataclass
+class Outcome:
+    """What became of one candidate."""
+
+    candidate: dict[str, Any]
+    state: State
+    value: float | None = None  # the score, for complete trials
+    kind: str | None = None  # failure kind (oom, timeout, crash, no_metric, invalid_args, interrupted)
+    reasons: list[str] = field(default_factory=list)  # why pruned / failed
+    rules: list[str] = field(default_factory=list)  # names of the rules that pruned it
+    launched: bool = False
+    duration: float | None = None
+    predicted_gb: float | None = None
+    measured_gb: float | None = None
+    trial_number: int | None = None
+    stage: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "complete" and self.value is not None
+
+
+class Strategy(ABC):
+    """Base class of every search strategy (see the module docstring for its life)."""
+
+    direction: Literal["maximize", "minimize"] = "maximize"
+
+    def sampler(self) -> optuna.samplers.BaseSampler:
+        import optuna
+
+        return optuna.samplers.RandomSampler(seed=0)
+
+    def setup(self, space: Space, memory: MemoryModel | None, history: list[Outcome]) -> None:
+        self.space = space
+        self.memory = memory
+        self.history: list[Outcome] = list(history)
+
+    @abstractmethod
+    def ask(self) -> Proposal | None:
+        """The next proposal, or None when exhausted."""
+
+    def tell(self, outcome: Outcome) -> None:
+        self.history.append(outcome)
+
+    # --- helpers for subclasses ------------------------------------------------------------------
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.direction == "maximize" else a < b
+
+    def best(self) -> Outcome | None:
+        done = [o for o in self.history if o.ok]
+        if not done:
+            return None
+        pick = max if self.direction == "maximize" else min
+        return pick(done, key=lambda o: o.value)
+
+    def tried(self, cand: Candidate) -> bool:
+        key = self.space.key(cand)
+        return any(self.space.key(o.candidate) == key for o in self.history)
+
+    def predict_gb(self, cand: Candidate) -> float | None:
+        """The study's memory prediction for a candidate (None without a memory model or shape)."""
+        if self.memory is None:
+            return None
+        return self.memory.predict(self.space.layout(cand), self.space.ctx.model,
+                                   distributed_optimizer=self.space.ctx.distributed_optimizer,
+                                   vit_checkpointing=self.space.vit_checkpointing(cand))

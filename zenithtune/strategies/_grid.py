@@ -1,0 +1,29 @@
+"""Exhaustive search: every valid candidate once. The ground truth of the benchmark."""
+from __future__ import annotations
+
+from typing import Literal
+
+from zenithtune.strategies._base import Proposal, Strategy
+
+
+class GridStrategy(Strategy):
+    def __init__(self, order: Literal["memory", "space"] = "memory"):
+        if order not in ("memory", "space"):
+            raise ValueError(f"grid order={order!r} is not one of memory|space")
+        self.order = order
+        self._queue: list[dict] | None = None
+
+    def _build(self) -> list[dict]:
+        cands = list(self.space.walk())
+        if self.order == "memory" and self.memory is not None:
+            cands.sort(key=lambda c: self.predict_gb(c) or 0.0)
+        return cands
+
+    def ask(self) -> Proposal | None:
+        if self._queue is None:
+            self._queue = self._build()
+        while self._queue:
+            cand = self._queue.pop(0)
+            if not self.tried(cand):
+                return Proposal(cand, why="grid")
+        return None
