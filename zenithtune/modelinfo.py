@@ -256,7 +256,7 @@ def _offline_error(model: str, why: str) -> ModelInfoError:
     return ModelInfoError(
         f"model={model!r}: cannot read its config offline ({why}); zenithtune works offline: pre-download it "
         f"with `huggingface-cli download {model} config.json`, pass a local directory with config.json, "
-        f"or give the shape instead (num_layers=..., num_query_groups=...)")
+        f"or give the shape instead (num_layers=..., num_query_groups=..., num_experts=... for MoE)")
 
 
 def _load_config(model: str) -> Any:
