@@ -1,0 +1,162 @@
+"""The per-GPU memory estimate: the monotonic behaviours a user relies on, and per-study learning."""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from zenithtune import memory
+from zenithtune.memory import MemoryEstimate, MemoryModel, estimate, gpu_capacity_gb
+from zenithtune.modelinfo import ModelInfo, from_hf
+from zenithtune.validate import Layout
+
+MODELS = Path(__file__).parent / "fixtures" / "models"
+LLAMA8 = replace(from_hf(str(MODELS / "Meta-Llama-3-8B")), seq_length=4096)
+LLAMA70 = replace(from_hf(str(MODELS / "Meta-Llama-3-70B")), seq_length=4096)
+QWEN_MOE = replace(from_hf(str(MODELS / "Qwen3-30B-A3B")), seq_length=4096)
+VLM = replace(from_hf(str(MODELS / "Qwen2.5-VL-7B-Instruct")), seq_length=4096)
+
+SEL = {"recompute_granularity": "selective"}
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def gb(model: ModelInfo = LLAMA8, n: int = 8, gbs: int = 64, **kw) -> float:
+    kw.setdefault("sequence_parallel", kw.get("tp", 1) > 1)
+    est = estimate(Layout(n_gpus=n, gbs=gbs, **kw), model)
+    assert est is not None
+    return est.total_gb
+
+
+def test_unknown_shape_gives_no_estimate():
+    assert estimate(Layout(8, 64), ModelInfo(num_query_groups=8)) is None
+    assert MemoryModel(80).predicted_oom(Layout(8, 64), ModelInfo()) is None
+
+
+def test_breakdown_adds_up():
+    est = estimate(Layout(8, 64, **SEL), LLAMA8)
+    parts = est.weights_gb + est.grads_gb + est.optimizer_gb + est.activations_gb + est.overhead_gb
+    assert est.total_gb == pytest.approx(parts)
+    assert est.breakdown().startswith(f"{est.total_gb:.1f} GB = weights")
+
+
+@pytest.mark.parametrize("model", [LLAMA8, QWEN_MOE])
+def test_more_tp_or_pp_needs_less(model):
+    assert gb(model, tp=1, **SEL) > gb(model, tp=2, **SEL) > gb(model, tp=4, **SEL)
+    assert gb(model, n=16, gbs=64, pp=1, **SEL) > gb(model, n=16, gbs=64, pp=2, **SEL) > gb(model, n=16, gbs=64, pp=4, **SEL)
+
+
+def test_more_ep_needs_less_for_moe():
+    assert gb(QWEN_MOE, n=16, ep=2, **SEL) > gb(QWEN_MOE, n=16, ep=4, **SEL) > gb(QWEN_MOE, n=16, ep=8, **SEL)
+
+
+@pytest.mark.parametrize("model", [LLAMA8, QWEN_MOE, VLM])
+def test_full_less_than_selective_less_than_none(model):
+    assert gb(model, tp=2, **FULL) < gb(model, tp=2, **SEL) < gb(model, tp=2)
+
+
+def test_distributed_optimizer_saves():
+    lay = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
+    assert estimate(lay, LLAMA8, distributed_optimizer=True).total_gb < estimate(
+        lay, LLAMA8, distributed_optimizer=False).total_gb
+
+
+def test_bigger_mbs_needs_more():
+    assert gb(mbs=1, **SEL) < gb(mbs=2, **SEL) < gb(mbs=4, **SEL)
+
+
+def test_longer_sequence_and_less_cp_need_more():
+    long = replace(LLAMA8, seq_length=8192)
+    assert gb(long, **SEL) > gb(LLAMA8, **SEL)
+    assert gb(long, cp=2, **SEL) < gb(long, **SEL)
+
+
+def test_vit_checkpointing_saves_for_vlms():
+    lay = Layout(8, 64, tp=2, sequence_parallel=True, **FULL)
+    assert estimate(lay, VLM, vit_checkpointing=True).total_gb < estimate(lay, VLM, vit_checkpointing=False).total_gb
+    assert estimate(lay, VLM).total_gb > estimate(lay, replace(VLM, is_vlm=False)).total_gb
+
+
+def test_llama70b_tp1_without_distributed_optimizer_is_predicted_oom():
+    model = MemoryModel(80)
+    reason = model.predicted_oom(Layout(8, 64, **SEL), LLAMA70, distributed_optimizer=False)
+    assert reason and reason.startswith("predicted ") and "80 GB capacity x 1.10 margin" in reason
+
+
+def test_llama8b_tp1_selective_with_distributed_optimizer_fits():
+    lay = Layout(8, 64, mbs=1, **SEL)
+    assert MemoryModel(80).predicted_oom(lay, LLAMA8, distributed_optimizer=True) is None
+    assert estimate(lay, LLAMA8).total_gb < 80 * 1.10
+
+
+# --- learning ---------------------------------------------------------------------------------------
+
+def test_after_an_oom_the_same_and_bigger_configs_are_predicted_oom():
+    mm = MemoryModel(80)
+    small = Layout(8, 64, tp=4, sequence_parallel=True, **SEL)
+    bigger = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
+    assert mm.predicted_oom(small, LLAMA8) is None and mm.predicted_oom(bigger, LLAMA8) is None
+    mm.observe_oom(small, LLAMA8)
+    assert mm.predicted_oom(small, LLAMA8)
+    assert mm.predicted_oom(bigger, LLAMA8)
+    assert mm.predicted_oom(Layout(8, 64, tp=4, mbs=2, sequence_parallel=True, **SEL), LLAMA8)
+    assert mm.predict(small, LLAMA8) > 80 * 1.10  # the scale moved so E maps above the limit
+    assert mm.predicted_oom(Layout(8, 64, tp=8, sequence_parallel=True, **FULL), LLAMA8) is None
+
+
+def test_a_config_no_bigger_than_a_success_is_never_pruned():
+    mm = MemoryModel(40)
+    big = Layout(8, 64, mbs=2, **SEL)
+    small = Layout(8, 64, mbs=1, **SEL)
+    assert mm.predicted_oom(small, LLAMA8)  # on a 40 GB GPU it looks hopeless...
+    mm.observe_success(big, LLAMA8, measured_peak_gb=None)  # ...but something bigger ran
+    assert mm.predicted_oom(big, LLAMA8) is None and mm.predicted_oom(small, LLAMA8) is None
+    mm.observe_oom(Layout(8, 64, mbs=1, **SEL), LLAMA8)  # conflicting evidence: the success still wins
+    assert mm.predicted_oom(small, LLAMA8) is None
+    assert mm.predicted_oom(Layout(8, 64, mbs=4, **SEL), LLAMA8)
+
+
+def test_scale_moves_toward_measured():
+    mm = MemoryModel(80)
+    lay = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
+    est = estimate(lay, LLAMA8)
+    before = mm.predict(lay, LLAMA8)
+    mm.observe_success(lay, LLAMA8, measured_peak_gb=0.7 * est.allocated_gb)
+    assert mm.scale == pytest.approx(0.7)
+    assert mm.predict(lay, LLAMA8) < before
+    mm.observe_success(lay, LLAMA8, measured_peak_gb=0.9 * est.allocated_gb)
+    mm.observe_success(lay, LLAMA8, measured_peak_gb=0.8 * est.allocated_gb)
+    assert mm.scale == pytest.approx(0.8)  # median: one odd trial does not swing it
+    mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb * 1000)  # MB passed as GB: ignored
+    assert mm.scale == pytest.approx(0.8)
+
+
+def test_memory_model_rejects_bad_settings():
+    with pytest.raises(ValueError, match="capacity_gb"):
+        MemoryModel(0)
+    with pytest.raises(ValueError, match="safety_margin"):
+        MemoryModel(80, safety_margin=-0.1)
+
+
+# --- capacity ---------------------------------------------------------------------------------------
+
+def test_gpu_capacity(monkeypatch):
+    assert gpu_capacity_gb(141) == 141.0
+
+    def smi(*a, **k):
+        return subprocess.CompletedProcess(a, 0, stdout="81559\n", stderr="")
+
+    monkeypatch.setattr(memory.subprocess, "run", smi)
+    assert gpu_capacity_gb(None) == pytest.approx(81559 / 1024)
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(memory.subprocess, "run", missing)
+    assert gpu_capacity_gb(None) == 80.0
+
+
+def test_estimate_is_a_value():
+    est = MemoryEstimate(1, 2, 3, 4, 5)
+    assert est.total_gb == 15 and est.allocated_gb == 10

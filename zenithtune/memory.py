@@ -1,0 +1,335 @@
+"""Per-GPU memory estimate for one layout, and a per-study model that learns from outcomes.
+
+The estimate follows MEGATRON.md §Memory (bf16 training with Adam) and is deliberately simple: it is
+what the tuner can know before launching, not what the GPU will do. Approximations, all of them:
+
+* Parameters are counted from the shape (attention with GQA, dense or SwiGLU MLP, experts, shared
+  experts, router, embedding/output); biases and norms are ignored, vocab is padded to 128·tp.
+* Bytes per parameter: 18 (bf16 weight 2, fp32 grad 4, fp32 master + Adam 12) without the
+  distributed optimizer; 6 + 12/(dp·cp) with it (experts: 6 + 12/expert_dp).
+* Activations per layer per micro-batch after Korthikanti et al. 2022, generalised to GQA, SwiGLU,
+  the real ffn width and top-k routing (at GPT shapes it is exactly 34·s·b·h + 5·a·s²·b bytes).
+  Attention scores (5·a·s²·b) are stored only without recompute (no flash attention assumed);
+  selective recompute drops them; full recompute keeps each layer's 2·s·b·h input plus the working
+  set of the chunk being recomputed. 1F1B keeps min(pp, micro-batches) in flight on the first stage
+  (× 1 + (p−1)/(p·v) when interleaved); the last stage holds one plus fp32 logits (4·s·b·V).
+  Context parallelism divides everything by cp.
+* A VLM's vision tower is replicated on the first stage (not TP-sharded) and sees about seq_length
+  patches per sample — a rough guess; ViT checkpointing keeps only each vision layer's input.
+* A fixed `overhead_gb` stands for the CUDA context, NCCL and workspace buffers and fragmentation.
+* Unknown shape details fall back to conservative guesses (seq_length 4096, vocab 131072, MHA,
+  SwiGLU); with no layers or hidden size there is no estimate at all (None).
+
+"GB" here is GiB (2**30 bytes), the unit of nvidia-smi's MiB and Megatron's "memory (MB)" lines.
+The simulator's memory is a separate "truth" on purpose (DESIGN.md); `MemoryModel` corrects this
+estimate per study from what trials really used.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from zenithtune.modelinfo import ModelInfo
+from zenithtune.validate import Layout
+
+log = logging.getLogger(__name__)
+
+GIB = float(2**30)
+DEFAULT_OVERHEAD_GB = 4.0  # CUDA context + NCCL/workspace buffers + fragmentation, per GPU
+DEFAULT_SAFETY_MARGIN = 0.10  # prune only above capacity x (1 + margin): the estimate errs high
+DEFAULT_CAPACITY_GB = 80.0  # H100 / A100-80GB when nothing else is known
+_ASSUMED_SEQ = 4096  # when the command does not say --seq-length
+_ASSUMED_VOCAB = 131072  # when the vocab comes from a tokenizer we cannot see
+_ASSUMED_VISION_PARAMS = 600e6  # a VLM whose vision tower we know nothing about
+_LOGIT_BYTES = 4  # fp32 logits kept for the vocab-parallel cross entropy, per token per vocab entry
+_REPLICATED_WITHOUT_SP = 10  # Korthikanti: bytes/(s·b·h) that TP does not split without SP
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak memory of the busiest GPU, in GB (GiB)."""
+
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    overhead_gb: float
+    stage: str = "only"  # the pipeline stage that peaks: "only" (pp=1), "first" or "last"
+
+    @property
+    def total_gb(self) -> float:
+        return self.weights_gb + self.grads_gb + self.optimizer_gb + self.activations_gb + self.overhead_gb
+
+    @property
+    def allocated_gb(self) -> float:
+        """What PyTorch's allocator would report (everything but the fixed overhead)."""
+        return self.total_gb - self.overhead_gb
+
+    def breakdown(self) -> str:
+        where = "" if self.stage == "only" else f", {self.stage} pipeline stage"
+        return (f"{self.total_gb:.1f} GB = weights {self.weights_gb:.1f} + grads {self.grads_gb:.1f} + "
+                f"optimizer {self.optimizer_gb:.1f} + activations {self.activations_gb:.1f} + "
+                f"overhead {self.overhead_gb:.1f}{where}")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    L: int
+    h: int
+    a: int
+    g: int
+    d: int  # head dim
+    F: int  # dense ffn width
+    V: int  # vocab before padding
+    s: int
+    E: int  # experts (0 = dense)
+    k: int  # router top-k
+    Fm: int  # expert ffn width
+    Fs: int  # shared-expert ffn width (total)
+    n_moe: int  # MoE layers
+    glu: bool
+    tied: bool
+
+    @classmethod
+    def of(cls, m: ModelInfo) -> _Shape | None:
+        if not m.num_layers or not m.hidden_size:
+            return None
+        h = m.hidden_size
+        a = m.num_attention_heads or max(1, h // 128)
+        d = m.head_dim or h // a
+        glu = m.swiglu is not False
+        F = m.ffn_hidden_size or (int(8 * h / 3 / 64) * 64 if glu else 4 * h)
+        E = m.num_experts if m.is_moe else 0
+        freq = m.moe_layer_freq or 1
+        return cls(L=m.num_layers, h=h, a=a, g=m.num_query_groups or a, d=d, F=F,
+                   V=m.vocab_size or _ASSUMED_VOCAB, s=m.seq_length or _ASSUMED_SEQ, E=E,
+                   k=(m.moe_router_topk or 2) if E else 0, Fm=(m.moe_ffn_hidden_size or F) if E else 0,
+                   Fs=(m.moe_shared_expert_size or 0) if E else 0,
+                   n_moe=math.ceil(m.num_layers / freq) if E else 0, glu=glu,
+                   tied=m.tie_embeddings is not False)
+
+    # parameters ---------------------------------------------------------------------------------
+    @property
+    def attn_params(self) -> int:
+        return self.h * self.d * (2 * self.a + 2 * self.g)  # Q, K, V (GQA) and the output projection
+
+    def mlp_params(self, width: int) -> int:
+        return (3 if self.glu else 2) * self.h * width
+
+    # activations, bytes per token (s·b) of one layer before TP/CP splits --------------------------
+    @property
+    def attn_act(self) -> float:
+        # Korthikanti's 11·h + 4·h for the two norms; Q/K/V/output at their real widths (GQA)
+        return (7 + 4 * self.a * self.d / self.h + 4 * self.g * self.d / self.h) * self.h
+
+    def mlp_act(self, moe: bool) -> float:
+        per_width = 6 if self.glu else 4  # fc1 output(s) + activation output, bf16
+        if not moe:
+            return (3 + per_width * self.F / self.h) * self.h
+        routed = self.k * (2 + per_width * self.Fm / self.h)  # every routed copy keeps input + ffn
+        return (3 + routed + per_width * self.Fs / self.h) * self.h
+
+    @property
+    def score_act(self) -> float:
+        return 5 * self.a * self.s  # softmax, its dropout mask and output, per token (no flash)
+
+
+def _padded_vocab(V: int, tp: int) -> int:
+    step = 128 * tp
+    return -(-V // step) * step
+
+
+def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = True,
+             vit_checkpointing: bool | None = None, overhead_gb: float = DEFAULT_OVERHEAD_GB) -> MemoryEstimate | None:
+    """Peak per-GPU memory of `layout` training `model`, or None when the shape is too unknown.
+
+    `vit_checkpointing` None means ms-swift's default (on). See the module docstring for what is
+    approximate."""
+    sh = _Shape.of(model)
+    if sh is None:
+        return None
+    t, p, c = max(1, layout.tp), max(1, layout.pp), max(1, layout.cp)
+    et, ep = max(1, layout.expert_tp), max(1, layout.ep)
+    dc = max(1, layout.n_gpus // (t * p))  # the optimizer shards over dp·cp
+    edp = max(1, layout.expert_dp)
+    Vp = _padded_vocab(sh.V, t)
+
+    # --- parameters on one GPU of a stage -------------------------------------------------------
+    layers = sh.L / p
+    moe_layers = sh.n_moe / p
+    dense_layers = layers - moe_layers
+    dense = (layers * sh.attn_params + dense_layers * sh.mlp_params(sh.F)
+             + moe_layers * sh.mlp_params(sh.Fs)) / t + moe_layers * sh.h * sh.E  # router replicated
+    experts = moe_layers * sh.E * sh.mlp_params(sh.Fm) / (et * ep) if sh.E else 0.0
+    emb = Vp * sh.h / t
+    vision = 0.0
+    if model.is_vlm:
+        vision = float(model.vision_params or (12 * model.vision_num_layers * model.vision_hidden_size ** 2
+                                               if model.vision_num_layers and model.vision_hidden_size
+                                               else _ASSUMED_VISION_PARAMS))
+
+    # --- activations ----------------------------------------------------------------------------
+    b = layout.mbs
+    tokens = sh.s * b / c  # per rank
+    split = t if layout.sp_active or t == 1 else None
+
+    def layer_act(moe: bool, scores: bool) -> float:
+        total = sh.attn_act + sh.mlp_act(moe) + (sh.score_act if scores else 0.0)
+        if split is None:  # TP without SP keeps the norms' and inputs' activations whole
+            rep = _REPLICATED_WITHOUT_SP * sh.h
+            return tokens * (rep + (total - rep) / t)
+        return tokens * total / split
+
+    gran = layout.recompute_granularity
+    moe_frac = sh.n_moe / sh.L
+    full_layer = (1 - moe_frac) * layer_act(False, True) + moe_frac * layer_act(True, True)
+    stored_layer = (1 - moe_frac) * layer_act(False, gran is None) + moe_frac * layer_act(True, gran is None)
+    layer_input = 2 * tokens * sh.h / (split or 1)
+    working = 0.0
+    if gran == "full":
+        n = max(1, layout.recompute_num_layers or 1)
+        if layout.recompute_method == "block":
+            n = min(n, math.ceil(layers))
+            per_mb = n * layer_input + (layers - n) * stored_layer
+            working = full_layer
+        else:  # uniform: the input of each chunk of n layers; recomputing one chunk needs n layers
+            per_mb = math.ceil(layers / n) * layer_input
+            working = min(n, layers) * full_layer
+    else:
+        per_mb = layers * stored_layer
+
+    m = layout.microbatches or p
+    in_flight = min(p, m) if p > 1 else 1
+    v = layout.virtual_stages(sh.L)
+    if p > 1 and v > 1:
+        in_flight *= 1 + (p - 1) / (p * v)
+    logits = _LOGIT_BYTES * tokens * Vp / t
+
+    vision_act = 0.0
+    if model.is_vlm:
+        hv = model.vision_hidden_size or 1280
+        lv = model.vision_num_layers or 32
+        v_tokens = sh.s * b  # rough: about one patch per text position; CP does not split the ViT
+        ckpt = True if vit_checkpointing is None else vit_checkpointing
+        vision_act = (lv * 2 * v_tokens * hv + 34 * v_tokens * hv) if ckpt else lv * 34 * v_tokens * hv
+
+    def stage(params_dense: float, params_expert: float, act: float, name: str) -> MemoryEstimate:
+        opt_dense = 12 / dc if distributed_optimizer else 12
+        opt_expert = 12 / edp if distributed_optimizer else 12
+        total_params = params_dense + params_expert
+        return MemoryEstimate(
+            weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB,
+            optimizer_gb=(opt_dense * params_dense + opt_expert * params_expert) / GIB,
+            activations_gb=act / GIB, overhead_gb=overhead_gb, stage=name)
+
+    if p == 1:
+        emb_all = emb * (1 if sh.tied else 2)
+        return stage(dense + emb_all + vision, experts, per_mb + working + logits + vision_act, "only")
+    first = stage(dense + emb + vision, experts, in_flight * per_mb + working + vision_act * min(p, m), "first")
+    last = stage(dense + emb, experts, per_mb + working + logits, "last")  # tied: a copy for the output layer
+    return first if first.total_gb >= last.total_gb else last
+
+
+def gpu_capacity_gb(configured: float | None) -> float:
+    """GPU memory in GB: the configured value, else GPU 0's total from nvidia-smi, else 80."""
+    if configured:
+        return float(configured)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+        return float(out.strip().splitlines()[0]) / 1024.0  # MiB -> GiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        log.info("gpu memory: not configured and nvidia-smi gave none (%s); assuming %.0f GB",
+                 type(exc).__name__, DEFAULT_CAPACITY_GB)
+        return DEFAULT_CAPACITY_GB
+
+
+class MemoryModel:
+    """The estimate, corrected per study by what trials really used.
+
+    * A success with a measured peak (Megatron's "max allocated") adds a ratio measured/estimated
+      (allocated part only, the fixed overhead is not measured); the scale is their median.
+    * An OOM at estimate E means every config estimated at E or more is OOM too: it is predicted OOM
+      from then on, and the scale is raised so E maps just above the prune limit.
+    * A config whose raw estimate is no larger than one that already succeeded is never pruned.
+    Prune limit: capacity x (1 + safety_margin), since the estimate errs on the high side.
+    """
+
+    def __init__(self, capacity_gb: float, safety_margin: float = DEFAULT_SAFETY_MARGIN, *,
+                 distributed_optimizer: bool = True, overhead_gb: float = DEFAULT_OVERHEAD_GB):
+        if capacity_gb <= 0:
+            raise ValueError(f"capacity_gb={capacity_gb} must be positive (GPU memory in GB, e.g. 80)")
+        if safety_margin < 0:
+            raise ValueError(f"safety_margin={safety_margin} must be >= 0 (0.10 = prune above capacity x 1.10)")
+        self.capacity_gb = float(capacity_gb)
+        self.safety_margin = float(safety_margin)
+        self.defaults: dict[str, Any] = {"distributed_optimizer": distributed_optimizer, "overhead_gb": overhead_gb}
+        self._ratios: list[float] = []
+        self._oom_scale = 0.0  # the least scale consistent with the OOMs seen
+        self._max_success: float | None = None  # largest raw estimate that ran
+        self._min_oom: float | None = None  # smallest raw estimate that ran out of memory
+
+    @property
+    def limit_gb(self) -> float:
+        return self.capacity_gb * (1 + self.safety_margin)
+
+    @property
+    def scale(self) -> float:
+        """Multiplier on the allocated part of the estimate, learned from this study's trials."""
+        learned = statistics.median(self._ratios) if self._ratios else 1.0
+        return max(learned, self._oom_scale)
+
+    def _estimate(self, layout: Layout, model: ModelInfo, **kw: Any) -> MemoryEstimate | None:
+        return estimate(layout, model, **{**self.defaults, **kw})
+
+    def _corrected(self, est: MemoryEstimate) -> float:
+        return est.allocated_gb * self.scale + est.overhead_gb
+
+    def predict(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
+        est = self._estimate(layout, model, **kw)
+        return None if est is None else self._corrected(est)
+
+    def predicted_oom(self, layout: Layout, model: ModelInfo, **kw: Any) -> str | None:
+        """Why this config would surely run out of memory, or None."""
+        est = self._estimate(layout, model, **kw)
+        if est is None:
+            return None
+        raw = est.total_gb
+        if self._max_success is not None and raw <= self._max_success:
+            return None  # something at least as big already ran
+        if self._min_oom is not None and raw >= self._min_oom:
+            return (f"estimated {raw:.1f} GB >= {self._min_oom:.1f} GB of a configuration that already ran "
+                    f"out of memory")
+        need = self._corrected(est)
+        if need > self.limit_gb:
+            return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.safety_margin:.2f} "
+                    f"margin ({est.breakdown()}, scale {self.scale:.2f})")
+        return None
+
+    def observe_success(self, layout: Layout, model: ModelInfo, measured_peak_gb: float | None, **kw: Any) -> None:
+        est = self._estimate(layout, model, **kw)
+        if est is None:
+            return
+        self._max_success = max(self._max_success or 0.0, est.total_gb)
+        if measured_peak_gb is None or measured_peak_gb <= 0 or est.allocated_gb <= 0:
+            return
+        ratio = measured_peak_gb / est.allocated_gb
+        if not 0.2 <= ratio <= 5.0:
+            log.warning("memory: ignoring measured %.1f GB against an estimate of %.1f GB (ratio %.2f is "
+                        "implausible; wrong unit?)", measured_peak_gb, est.allocated_gb, ratio)
+            return
+        self._ratios.append(ratio)
+
+    def observe_oom(self, layout: Layout, model: ModelInfo, **kw: Any) -> None:
+        est = self._estimate(layout, model, **kw)
+        if est is None:
+            return
+        self._min_oom = min(self._min_oom if self._min_oom is not None else math.inf, est.total_gb)
+        if est.allocated_gb > 0:
+            # smallest scale that puts this config just above the prune limit
+            need = (self.limit_gb - est.overhead_gb) / est.allocated_gb * (1 + 1e-6)
+            self._oom_scale = max(self._oom_scale, need)
