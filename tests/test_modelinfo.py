@@ -130,6 +130,10 @@ def test_vlm_markers():
     assert from_argv(["python", "-m", "zenithtune.sim", "--num-layers", "28", "--vit-gradient-checkpointing"]).is_vlm
     assert from_argv(["megatron", "sft", "--vit_gradient_checkpointing", "true"]).is_vlm
     assert not from_argv(["python", "pretrain_gpt.py", "--num-layers", "28"]).is_vlm
+    sim = from_argv(["python", "-m", "zenithtune.sim", "--num-layers", "28", "--vision-num-layers", "32",
+                     "--vision-hidden-size=1280", "--vision-ffn-hidden-size", "5120", "--vision-seq-length", "1024"])
+    assert sim.is_vlm and (sim.vision_num_layers, sim.vision_hidden_size) == (32, 1280)
+    assert (sim.vision_ffn_hidden_size, sim.vision_seq_length) == (5120, 1024)
 
 
 def test_swift_model_option_loads_the_config_under_the_command():

@@ -14,8 +14,9 @@ what the tuner can know before launching, not what the GPU will do. Approximatio
   set of the chunk being recomputed. 1F1B keeps min(pp, micro-batches) in flight on the first stage
   (× 1 + (p−1)/(p·v) when interleaved); the last stage holds one plus fp32 logits (4·s·b·V).
   Context parallelism divides everything by cp.
-* A VLM's vision tower is replicated on the first stage (not TP-sharded) and sees about seq_length
-  patches per sample — a rough guess; ViT checkpointing keeps only each vision layer's input.
+* A VLM's vision tower is replicated on the first stage (not TP-sharded) and encodes
+  `vision_seq_length` patches per sample (unknown: about seq_length, a rough guess); ViT
+  checkpointing keeps only each vision layer's input plus one layer's working set.
 * A fixed `overhead_gb` stands for the CUDA context, NCCL and workspace buffers and fragmentation.
 * Unknown shape details fall back to conservative guesses (seq_length 4096, vocab 131072, MHA,
   SwiGLU); with no layers or hidden size there is no estimate at all (None).
@@ -167,10 +168,16 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
     experts = moe_layers * sh.E * sh.mlp_params(sh.Fm) / (et * ep) if sh.E else 0.0
     emb = Vp * sh.h / t
     vision = 0.0
+    hv = model.vision_hidden_size or 1280
+    lv = model.vision_num_layers or 32
+    fv = model.vision_ffn_hidden_size or 4 * hv
     if model.is_vlm:
-        vision = float(model.vision_params or (12 * model.vision_num_layers * model.vision_hidden_size ** 2
-                                               if model.vision_num_layers and model.vision_hidden_size
-                                               else _ASSUMED_VISION_PARAMS))
+        if model.vision_params:
+            vision = float(model.vision_params)
+        elif model.vision_num_layers and model.vision_hidden_size:
+            vision = float(lv * (4 * hv * hv + 2 * hv * fv))
+        else:
+            vision = _ASSUMED_VISION_PARAMS
 
     # --- activations ----------------------------------------------------------------------------
     b = layout.mbs
@@ -211,11 +218,11 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
 
     vision_act = 0.0
     if model.is_vlm:
-        hv = model.vision_hidden_size or 1280
-        lv = model.vision_num_layers or 32
-        v_tokens = sh.s * b  # rough: about one patch per text position; CP does not split the ViT
+        # vision patches per sample: as stated, else about one per text position; CP does not split it
+        v_tokens = (model.vision_seq_length or sh.s) * b
+        v_layer = v_tokens * hv * (18 + 4 * fv / hv)  # Korthikanti's 34 at fv = 4·hv (flash, no dropout masks kept)
         ckpt = True if vit_checkpointing is None else vit_checkpointing
-        vision_act = (lv * 2 * v_tokens * hv + 34 * v_tokens * hv) if ckpt else lv * 34 * v_tokens * hv
+        vision_act = (lv * 2 * v_tokens * hv + v_layer) if ckpt else lv * v_layer
 
     def stage(params_dense: float, params_expert: float, act: float, name: str) -> MemoryEstimate:
         opt_dense = 12 / dc if distributed_optimizer else 12

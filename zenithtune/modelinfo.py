@@ -47,6 +47,8 @@ class ModelInfo:
     vision_num_layers: int | None = None
     vision_hidden_size: int | None = None
     vision_params: int | None = None  # parameter count of the vision tower, if known
+    vision_ffn_hidden_size: int | None = None  # MLP width of the vision tower
+    vision_seq_length: int | None = None  # patch tokens per sample the vision tower encodes
 
     @property
     def is_moe(self) -> bool:
@@ -114,6 +116,8 @@ _INT_OPTIONS = {
     "moe-layer-freq": "moe_layer_freq",
     "vision-num-layers": "vision_num_layers",
     "vision-hidden-size": "vision_hidden_size",
+    "vision-ffn-hidden-size": "vision_ffn_hidden_size",
+    "vision-seq-length": "vision_seq_length",
 }
 _FLAGS = ("swiglu", "disable-bias-linear", "untie-embeddings-and-output-weights", "group-query-attention")
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -377,13 +381,15 @@ def info_from_config(cfg: Any, name: str | None = None) -> ModelInfo:
 
     vision = _vision_config(cfg)
     v_layers, v_hidden, v_params = _vision_params(vision) if vision is not None else (None, None, None)
+    v_ffn = _as_int(_get(vision, "intermediate_size")) if vision is not None else None
     return ModelInfo(
         name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=groups, kv_channels=kv_channels, vocab_size=_as_int(_get(text, "vocab_size")),
         seq_length=None, num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
         moe_shared_expert_size=shared, moe_layer_freq=freq, swiglu=swiglu, disable_bias_linear=disable_bias,
         tie_embeddings=bool(tie) if tie is not None else None, is_vlm=vision is not None,
-        vision_num_layers=v_layers, vision_hidden_size=v_hidden, vision_params=v_params)
+        vision_num_layers=v_layers, vision_hidden_size=v_hidden, vision_params=v_params,
+        vision_ffn_hidden_size=v_ffn)
 
 
 def from_hf(model: str) -> ModelInfo:
