@@ -115,9 +115,18 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
     except KeyboardInterrupt:
         pass
     _signal_group(pgid, signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: wait until the group is really gone, so the next trial
+    # never starts next to a dying worker. A process in uninterruptible sleep (D state) may outlast
+    # this; nothing more can be done about it from here.
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        proc.poll()
+        if not _group_alive(pgid):
+            break
+        time.sleep(0.01)
     try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # uninterruptible sleep (D state); nothing more we can do
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
         pass
 
 
