@@ -95,8 +95,8 @@ def options_start(argv: list[str]) -> int:
 
 def is_swift_command(argv: list[str]) -> bool:
     """ms-swift style (underscores, ``true``/``false`` booleans): the program is ``megatron`` or
-    ``swift``, argv contains ``megatron sft|pt|rlhf``, or a ``-m`` module is part of a ``swift`` package
-    (e.g. the built-in ``zenithtune.sim.swift``)."""
+    ``swift``, argv contains ``megatron sft|pt|rlhf``, or the ``-m`` module or script is part of a ``swift``
+    package (the built-in ``zenithtune.sim.swift``; ``torchrun ... swift/cli/_megatron/sft.py``)."""
     p = _program_index(argv)
     if p < len(argv) and os.path.basename(argv[p]) in _SWIFT_PROGRAMS:
         return True
@@ -105,7 +105,10 @@ def is_swift_command(argv: list[str]) -> bool:
             return True
         if tok == "-m" and "swift" in argv[i + 1].split("."):
             return True
-    return False
+    start = options_start(argv)
+    script = argv[start - 1] if 0 < start <= len(argv) else ""
+    # what `megatron sft` itself runs: torchrun ... <site-packages>/swift/cli/_megatron/sft.py
+    return script.endswith(".py") and "swift" in script.replace("\\", "/").split("/")[:-1]
 
 
 @dataclass(frozen=True)
