@@ -73,10 +73,28 @@ def _timeout(cfg: DictConfig) -> float | None:
     return float(t) if t not in (None, "", 0) else None
 
 
-def evaluate_output(cfg: DictConfig, output: str) -> float:
+# Targets a config may instantiate (strategies, evaluators, samplers). Hydra 1.4 wants an execution
+# whitelist from trusted code; users who plug in their own evaluator or strategy add its package via
+# ZENITHTUNE_TRUSTED_TARGETS="mypkg.*,other.module.Class".
+TRUSTED_TARGETS = ("zenithtune.*", "optuna.samplers.*", "hydra_plugins.hydra_optuna_sweeper.*")
+TRUSTED_ENV = "ZENITHTUNE_TRUSTED_TARGETS"
+
+
+def build(node: Any) -> Any:
+    """Instantiate a `_target_` config node (strategy, evaluator) under the execution whitelist."""
     from hydra.utils import instantiate
 
-    return float(instantiate(cfg.evaluator).evaluate(output))
+    extra = [t.strip() for t in os.environ.get(TRUSTED_ENV, "").split(",") if t.strip()]
+    target = str(node.get("_target_", "")) if hasattr(node, "get") else ""
+    allowed = list(TRUSTED_TARGETS) + extra
+    if target and not any(target == a or (a.endswith(".*") and target.startswith(a[:-1])) for a in allowed):
+        raise UserError(f"_target_ {target!r} is not trusted: add its package to {TRUSTED_ENV} "
+                        f"(e.g. {TRUSTED_ENV}='{target.rsplit('.', 1)[0]}.*')")
+    return instantiate(node, _execution_whitelist_=allowed)
+
+
+def evaluate_output(cfg: DictConfig, output: str) -> float:
+    return float(build(cfg.evaluator).evaluate(output))
 
 
 def task(cfg: DictConfig) -> float:

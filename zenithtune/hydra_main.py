@@ -11,7 +11,7 @@ from zenithtune import app
 _exit_code = 0
 
 
-@hydra.main(config_path="pkg://zenithtune.conf", config_name="config", version_base=None)
+@hydra.main(config_path="pkg://zenithtune.conf", config_name="config")
 def _hydra_task(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from zenithtune.app import UserError, wrapped_command
+from zenithtune.app import UserError, build, wrapped_command
 from zenithtune.inject import find_option
 from zenithtune.space import Context, Space, Survey, mbs_values
 from zenithtune.strategies import Outcome, Strategy
@@ -117,8 +117,6 @@ def gpu_memory(cfg: DictConfig, command: list[str]) -> tuple[float, str]:
 
 
 def build_job(cfg: DictConfig) -> Job:
-    from hydra.utils import instantiate
-
     from zenithtune import modelinfo
     from zenithtune.memory import MemoryModel
     from zenithtune.run import command_problem
@@ -152,8 +150,8 @@ def build_job(cfg: DictConfig) -> Job:
         if top and top[0][0] == "gbs":
             raise UserError(f"gbs={gbs} fits no layout: {why}; choose a gbs divisible by the data-parallel sizes")
         raise UserError(f"no valid configuration for n_gpus={n_gpus}, gbs={gbs}: e.g. {why}")
-    strategy = instantiate(cfg.strategy)
-    evaluator = instantiate(cfg.evaluator)
+    strategy = build(cfg.strategy)
+    evaluator = build(cfg.evaluator)
     job = Job(cfg=cfg, command=command, ctx=ctx, space=space, survey=survey, strategy=strategy,
               evaluator=evaluator, memory=memory, memory_source=source)
     job.predicted_oom_count = sum(1 for c in valid if job.predicted_oom(c))

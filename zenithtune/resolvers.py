@@ -24,5 +24,5 @@ def _command(default: Any = None) -> Any:
     return json.loads(raw)
 
 
-OmegaConf.register_new_resolver("zt.command", _command, replace=True)
-OmegaConf.register_new_resolver("zt.python", lambda: sys.executable, replace=True)
+OmegaConf.register_resolver("zt.command", _command, replace=True, annotation_validation="off")
+OmegaConf.register_resolver("zt.python", lambda: sys.executable, replace=True, annotation_validation="off")

@@ -104,7 +104,7 @@ def world_divisible(lay: Layout, model: ModelInfo) -> str | None:
         ok = [t for t in _divisors(lay.n_gpus) if (lay.n_gpus % (t * lay.pp * lay.cp) == 0)]
         return (f"world size ({lay.n_gpus}) is not divisible by tensor model parallel size ({lay.tp}) "
                 f"times pipeline model parallel size ({lay.pp}) times context parallel size ({lay.cp}) "
-                f"= {mp}; tp in {ok or 'none'} would divide it at pp={lay.pp}, cp={lay.cp}")
+                f"= {mp}" + (f"; tp in {ok} would divide it at pp={lay.pp}, cp={lay.cp}" if ok else ""))
     return None
 
 
