@@ -41,7 +41,7 @@ class Layout:
     recompute_method: Method | None = None
     recompute_num_layers: int | None = None
     sequence_parallel: bool = False
-    overlap_p2p: bool = False  # interleaving is allowed at pp=2 only with p2p overlap
+    overlap_p2p: bool = True  # Megatron's default; --no-overlap-p2p-communication makes interleaving need pp > 2
 
     @property
     def expert_tp(self) -> int:
@@ -184,9 +184,12 @@ def virtual_pipeline(lay: Layout, model: ModelInfo) -> str | None:
     v = lay.layers_per_virtual_stage
     if not v:
         return None
-    if lay.pp <= 2 and not (lay.pp == 2 and lay.overlap_p2p):
-        return (f"pipeline-model-parallel size should be greater than 2 with interleaved schedule "
-                f"(got {lay.pp})")
+    if lay.overlap_p2p and lay.pp <= 1:
+        return (f"when interleaved schedule is used, pipeline-model-parallel size should be greater than 1 "
+                f"(got {lay.pp}, --num-layers-per-virtual-pipeline-stage {v})")
+    if not lay.overlap_p2p and lay.pp <= 2:
+        return (f"when interleaved schedule is used and p2p communication overlap is disabled, "
+                f"pipeline-model-parallel size should be greater than 2 (got {lay.pp})")
     L = model.num_layers
     if L and (L // lay.pp) % v:
         return (f"number of layers per pipeline stage ({L // lay.pp}) must be divisible by number of "
