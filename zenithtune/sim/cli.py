@@ -1,0 +1,25 @@
+"""Replay a SimResult as a process would: lines on stdout/stderr, paced by --sim-time-scale, exit code."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+from zenithtune.sim.trainer import SimResult
+
+
+def main(simulate: Callable[[list[str], dict[str, str] | None], SimResult], argv: list[str]) -> int:
+    res = simulate(argv, dict(os.environ))
+    scale = res.config.time_scale if res.config is not None else 0.0
+    clock = 0.0
+    for event in sorted(res.events, key=lambda e: e.at):
+        if scale > 0 and event.at > clock:
+            time.sleep((event.at - clock) * scale)
+            clock = event.at
+        stream = sys.stdout if event.stream == "stdout" else sys.stderr
+        stream.write(event.text + "\n")
+        stream.flush()
+    if scale > 0 and res.wall_seconds > clock:
+        time.sleep((res.wall_seconds - clock) * scale)
+    return res.exit_code
