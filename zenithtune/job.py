@@ -6,7 +6,7 @@ the GPU memory, the search space, the strategy, the evaluator and the memory mod
 """
 from __future__ import annotations
 
-import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,12 @@ def build_job(cfg: DictConfig) -> Job:
         raise UserError(problem)
     explicit = {k: cfg.get(k) for k in ("num_layers", "num_query_groups", "seq_length") if cfg.get(k) is not None}
     model = modelinfo.resolve(explicit=explicit, argv=command, model=cfg.get("model"))
+    from_cmd = modelinfo.from_argv(command)
+    for key, value in explicit.items():
+        theirs = getattr(from_cmd, key, None)
+        if theirs is not None and int(theirs) != int(value):
+            print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
+                  f"the command's value is what the trainer will run with", file=sys.stderr)
     capacity, source = gpu_memory(cfg, command)
     preset = OmegaConf.to_container(cfg.preset, resolve=True)
     ctx = Context(n_gpus=n_gpus, gbs=gbs, model=model, mbs_max=mbs_max,
@@ -145,11 +151,10 @@ def build_job(cfg: DictConfig) -> Job:
     survey = Survey()
     valid = list(space.walk(survey))
     if not valid:
-        top = survey.removed.most_common(1)
-        why = survey.reasons[top[0][0]] if top else "the preset has no parameters"
-        if top and top[0][0] == "gbs":
-            raise UserError(f"gbs={gbs} fits no layout: {why}; choose a gbs divisible by the data-parallel sizes")
-        raise UserError(f"no valid configuration for n_gpus={n_gpus}, gbs={gbs}: e.g. {why}")
+        top = "; ".join(f"{rule} removed {n} (e.g. {survey.reasons[rule]})"
+                        for rule, n in survey.removed.most_common(3))
+        hint = " Choose a gbs that the data-parallel sizes divide." if "gbs" in survey.removed else ""
+        raise UserError(f"no valid configuration for n_gpus={n_gpus}, gbs={gbs}: {top}.{hint}")
     strategy = build(cfg.strategy)
     evaluator = build(cfg.evaluator)
     job = Job(cfg=cfg, command=command, ctx=ctx, space=space, survey=survey, strategy=strategy,

@@ -63,8 +63,11 @@ class StudyLoop:
             if o.launched:
                 self.measured[self.job.space.key(o.candidate)] = o
 
-    def run(self, n_trials: int, launched: int = 0) -> str:
-        """Propose and launch until n_trials are launched in all; returns why it stopped."""
+    def run(self, n_trials: int, launched: int = 0, fail_fast: int = 0) -> str:
+        """Propose and launch until n_trials are launched in all; returns why it stopped.
+
+        With fail_fast=k, stop when the first k launches of the study all failed: a broken command
+        should cost k trials, not n_trials."""
         strategy: Strategy = self.job.strategy
         skips = 0
         while launched < n_trials:
@@ -90,6 +93,8 @@ class StudyLoop:
             self.job.observe(outcome)
             strategy.tell(outcome)
             self.cb.result(outcome, launched)
+            if fail_fast and launched == fail_fast and not any(o.ok for o in self.measured.values()):
+                return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
         return f"n_trials={n_trials} launched"
 
     # --- one proposal ------------------------------------------------------------------------------

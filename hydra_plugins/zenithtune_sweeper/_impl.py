@@ -62,7 +62,7 @@ class StudyRunner:
         loop = StudyLoop(job, study, self._launch, progress, self.max_consecutive_skips)
         loop.start(prior)
         try:
-            why = loop.run(n_trials, launched=zstudy.launched_count(study))
+            why = loop.run(n_trials, launched=zstudy.launched_count(study), fail_fast=int(cfg.get("fail_fast") or 0))
         except KeyboardInterrupt:
             progress.interrupted(url)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")

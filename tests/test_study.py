@@ -1,0 +1,139 @@
+"""End-to-end: `python -m zenithtune -m ...` as a user runs it, and every bad input a user can type."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = str(REPO / "tests" / "fixtures" / "toy_trainer.py")
+
+
+def zt(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `python -m zenithtune ARGS` in tmp_path, with its studies under tmp_path/outputs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENITHTUNE_")}
+    return subprocess.run([sys.executable, "-m", "zenithtune", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def study_dir(tmp_path: Path) -> Path:
+    dirs = sorted((tmp_path / "outputs").glob("study_*"))
+    assert dirs, "no study folder was created"
+    return dirs[-1]
+
+
+def load(tmp_path: Path) -> optuna.Study:
+    return optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{study_dir(tmp_path) / 'study.db'}")
+
+
+@pytest.mark.slow
+def test_demo_study_on_the_simulator(tmp_path):
+    r = zt(tmp_path, "-m", "preset=megatron", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=6")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "best: trial" in r.stdout
+    assert "predicted to run out of memory" in r.stdout  # the space report
+    study = load(tmp_path)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 6 and all(t.value > 0 for t in done)
+    assert all(t.user_attrs["launched"] for t in done)
+    for t in done:
+        argv = t.user_attrs["argv"]
+        assert "zenithtune.sim" in argv and "--global-batch-size=64" in argv
+        assert "# command: " in Path(t.user_attrs["log"]).read_text().splitlines()[0]  # headed by the exact argv
+    best = yaml.safe_load((study_dir(tmp_path) / "best.yaml").read_text())
+    assert best["n_gpus"] == 8 and best["gbs"] == 64
+    assert best["result"]["score"] == max(t.value for t in done)
+    assert set(best["params"]) >= {"tp", "pp", "cp", "mbs", "recompute_granularity"}
+
+
+@pytest.mark.slow
+def test_pruned_candidates_are_recorded_with_reasons_and_not_launched(tmp_path):
+    # On 80 GB, the 8B model at TP1 with mbs 8 and selective recompute cannot fit: the random
+    # strategy proposes such candidates and the estimate prunes them before launch.
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=random", "n_trials=4")
+    assert r.returncode == 0, r.stderr
+    study = load(tmp_path)
+    launched = [t for t in study.trials if t.user_attrs.get("launched")]
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert len(launched) == 4  # pruned proposals do not use up n_trials
+    for t in pruned:
+        assert t.user_attrs["reasons"] and t.user_attrs["launched"] is False
+        assert "trial_" + str(t.number) not in {p.name for p in study_dir(tmp_path).iterdir()}
+
+
+@pytest.mark.slow
+def test_wrapping_a_user_script_injects_options_into_its_argv(tmp_path):
+    r = zt(tmp_path, "-m", "n_gpus=4", "gbs=8", "strategy=grid", "n_trials=3",
+           "--", sys.executable, TOY, "--some-user-opt", "3")
+    assert r.returncode == 0, r.stderr
+    study = load(tmp_path)
+    launched = [t for t in study.trials if t.user_attrs.get("launched")]
+    assert len(launched) == 3
+    for t in launched:
+        log = Path(t.user_attrs["log"]).read_text()
+        first = log.splitlines()[0]
+        assert "--some-user-opt 3" in first
+        cand = t.user_attrs["candidate"]
+        assert f"--tensor-model-parallel-size {cand['tp']}" in first
+        assert f"--micro-batch-size {cand['mbs']}" in first
+        assert "--global-batch-size 8" in first
+        assert "some-user-opt=3" in log  # the script ran with its own option intact
+        info = json.loads((Path(t.user_attrs["log"]).parent / "trial.json").read_text())
+        assert info["argv"] == t.user_attrs["argv"]
+
+
+@pytest.mark.slow
+def test_failed_trials_are_recorded_with_kind_and_the_study_goes_on(tmp_path):
+    r = zt(tmp_path, "-m", "n_gpus=4", "gbs=8", "strategy=grid", "n_trials=4",
+           "--", sys.executable, TOY, "--some-user-opt", "1", "--fail-tp", "1")
+    # every grid candidate starts at tp=1 -> crash; the study records each and fails with one line
+    assert r.returncode == 1
+    assert "all 4 launched trials failed (crash: 4); first log:" in r.stderr
+    assert "Traceback" not in r.stderr
+    study = load(tmp_path)
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 4 and all(t.user_attrs["kind"] == "crash" for t in failed)
+    assert "NCCL error" in failed[0].user_attrs["reasons"][0]
+
+
+BAD_INPUTS = [
+    (["-m", "gbs=64"], "n_gpus is required"),
+    (["-m", "n_gpus=8"], "gbs is required"),
+    (["-m", "n_gpus=0", "gbs=64"], "n_gpus=0 must be a positive whole number"),
+    (["-m", "n_gpus=8", "gbs=-4"], "gbs=-4 must be a positive whole number"),
+    (["-m", "n_gpus=8", "gbs=64", "--", "no-such-trainer-xyz", "--lr", "1"], "no-such-trainer-xyz"),
+    (["-m", "n_gpus=8", "gbs=64", "--"], "nothing after `--`"),
+    (["-m", "n_gpus=8", "gbs=64", "mbs_max=0"], "mbs_max=0 must be a positive whole number"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD_INPUTS)
+def test_bad_input_is_one_clear_line(tmp_path, args, expected):
+    r = zt(tmp_path, *args, timeout=120)
+    assert r.returncode != 0
+    assert expected in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").glob("study_*/trial_*"))
+
+
+def test_gbs_that_fits_no_layout_names_the_value(tmp_path):
+    # 12 GPUs, gbs 5: only dp=1 could divide it, and that needs tp*pp*cp=12 with 32 heads / 8 groups
+    r = zt(tmp_path, "-m", "n_gpus=12", "gbs=5", timeout=120)
+    assert r.returncode != 0
+    assert "gbs=5" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("group,name", [("strategy", "nope"), ("preset", "deepspeed"), ("evaluator", "xyz")])
+def test_unknown_group_option_lists_the_available_ones(tmp_path, group, name):
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", f"{group}={name}", timeout=120)
+    assert r.returncode != 0
+    assert f"Could not find '{group}/{name}'" in r.stderr
+    assert "Available options" in r.stderr
+    assert "Traceback" not in r.stderr
