@@ -1,0 +1,141 @@
+"""The search space: values per job, applicability, options for injection, enumeration, Optuna."""
+from __future__ import annotations
+
+import optuna
+import pytest
+import yaml
+
+from zenithtune.modelinfo import ModelInfo
+from zenithtune.space import Context, Space, Survey, mbs_values, options_for, parallel_values
+from zenithtune.validate import Layout
+
+PRESET = yaml.safe_load(open(__import__("pathlib").Path(__file__).parents[1] / "conf/preset/megatron.yaml"))
+LLAMA8B = ModelInfo(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                    num_query_groups=8, vocab_size=128256, seq_length=8192, swiglu=True)
+QWEN_MOE = ModelInfo(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                     kv_channels=128, vocab_size=151936, seq_length=4096, num_experts=128,
+                     moe_router_topk=8, moe_ffn_hidden_size=768, disable_bias_linear=True)
+VLM = ModelInfo(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                seq_length=4096, is_vlm=True)
+
+
+@pytest.mark.parametrize("n,expected", [
+    (1, (1,)), (8, (1, 2, 4, 8)), (16, (1, 2, 4, 8, 16)),
+    (12, (1, 2, 3, 4, 6, 12)), (24, (1, 2, 3, 4, 6, 8, 12, 24)),
+])
+def test_parallel_values_are_powers_of_two_or_divisors(n, expected):
+    assert parallel_values(n) == expected
+
+
+@pytest.mark.parametrize("mbs_max,gbs,expected", [(8, 64, (1, 2, 4, 8)), (8, 12, (1, 2, 4)),
+                                                  (4, 7, (1,)), (16, 48, (1, 2, 4, 8, 16))])
+def test_mbs_values_divide_gbs(mbs_max, gbs, expected):
+    assert mbs_values(mbs_max, gbs) == expected
+
+
+def space(model: ModelInfo, n_gpus: int = 8, gbs: int = 64, **kw) -> Space:
+    return Space.from_preset(PRESET, Context(n_gpus=n_gpus, gbs=gbs, model=model, **kw))
+
+
+def test_options_for_sets_applicable_and_removes_the_rest():
+    opts = options_for(PRESET, {"tp": 2, "pp": 1, "cp": 1, "mbs": 4, "recompute_granularity": "selective"}, 64)
+    assert opts["--tensor-model-parallel-size"] == "2"
+    assert opts["--micro-batch-size"] == "4"
+    assert opts["--recompute-granularity"] == "selective"
+    assert opts["--recompute-method"] is None and opts["--recompute-num-layers"] is None
+    assert opts["--expert-model-parallel-size"] is None  # dense model: EP not in the candidate
+    assert opts["--vit-gradient-checkpointing"] is None  # never injected for non-VLMs
+    assert opts["--global-batch-size"] == "64"
+    assert opts["--sequence-parallel"] is True
+
+
+def test_sequence_parallel_is_removed_at_tp1_and_bools_become_words():
+    opts = options_for(PRESET, {"tp": 1, "vit_gradient_checkpointing": False}, 8)
+    assert opts["--sequence-parallel"] is False
+    assert opts["--vit-gradient-checkpointing"] == "false"
+
+
+def test_normalize_drops_parameters_that_do_not_apply():
+    s = space(LLAMA8B)
+    cand = {"tp": 2, "ep": 4, "mbs": 1, "recompute_granularity": "selective", "recompute_method": "block",
+            "vit_gradient_checkpointing": True}
+    assert s.normalize(cand) == {"tp": 2, "mbs": 1, "recompute_granularity": "selective"}
+    moe = space(QWEN_MOE, n_gpus=16)
+    assert moe.normalize({"tp": 1, "ep": 8, "etp": 1})["ep"] == 8
+
+
+def test_layout_uses_ep_and_etp_only_for_moe_and_sp_with_tp():
+    lay = space(QWEN_MOE, n_gpus=8).layout({"tp": 2, "ep": 8, "etp": 1, "mbs": 1})
+    assert (lay.tp, lay.ep, lay.etp, lay.dp, lay.expert_dp, lay.sequence_parallel) == (2, 8, 1, 4, 1, True)
+    dense = space(LLAMA8B).layout({"tp": 1, "ep": 8})
+    assert dense.ep == 1 and dense.sequence_parallel is False
+
+
+def test_tp2_ep8_on_8_gpus_is_valid_with_etp1_unlike_upstream():
+    # Upstream computes DP = N/(tp*pp*cp*ep*etp) and rejects this layout; Megatron accepts it.
+    s = space(QWEN_MOE, n_gpus=8, gbs=64)
+    assert s.reasons({"tp": 2, "pp": 1, "cp": 1, "ep": 8, "etp": 1, "mbs": 1,
+                      "recompute_granularity": "selective"}) == []
+
+
+def test_reasons_name_the_rule_and_the_numbers():
+    s = space(LLAMA8B, n_gpus=12, gbs=48)
+    names = [r for r, _ in s.reasons({"tp": 8, "pp": 1, "cp": 1, "mbs": 1, "recompute_granularity": "selective"})]
+    assert "choices" in names  # 8 is not a divisor of 12
+    (rule, why), *_ = s.reasons({"tp": 3, "pp": 1, "cp": 1, "mbs": 1, "recompute_granularity": "selective"})
+    assert rule == "tp_heads" and "(32)" in why and "(3)" in why
+
+
+def test_walk_yields_only_valid_candidates_and_survey_adds_up():
+    s = space(LLAMA8B, n_gpus=8, gbs=64)
+    survey = Survey()
+    cands = list(s.walk(survey))
+    assert cands and all(s.reasons(c) == [] for c in cands)
+    assert survey.valid == len(cands)
+    assert survey.total == survey.valid + sum(survey.removed.values())
+    assert len({s.key(c) for c in cands}) == len(cands)
+    # selective candidates carry no method/num_layers; full ones carry both
+    for c in cands:
+        assert ("recompute_method" in c) == (c["recompute_granularity"] == "full")
+
+
+def test_walk_handles_12_gpus_with_tp3_out_for_32_heads():
+    cands = list(space(LLAMA8B, n_gpus=12, gbs=48).walk())
+    assert {c["tp"] for c in cands} <= {1, 2, 4}
+    assert any(c["pp"] in (4,) for c in cands)
+
+
+def test_vlm_searches_vit_checkpointing_and_only_full_uniform_by_default():
+    cands = list(space(VLM, n_gpus=8, gbs=16).walk())
+    assert {c["vit_gradient_checkpointing"] for c in cands} == {True, False}
+    assert all(c["recompute_granularity"] == "full" and c["recompute_method"] == "uniform" for c in cands)
+    relaxed = list(space(VLM, n_gpus=8, gbs=16, vlm_full_uniform_only=False).walk())
+    assert any(c["recompute_granularity"] == "selective" for c in relaxed)
+
+
+def test_suggest_replays_an_enqueued_candidate_exactly():
+    s = space(QWEN_MOE, n_gpus=16, gbs=64)
+    study = optuna.create_study(direction="maximize")
+    cand = {"tp": 2, "pp": 2, "cp": 1, "ep": 4, "etp": 1, "mbs": 2, "recompute_granularity": "full",
+            "recompute_method": "uniform", "recompute_num_layers": 2}
+    study.enqueue_trial(cand)
+    trial = study.ask()
+    assert s.suggest(trial) == cand
+    assert trial.params == cand
+
+
+def test_suggest_partial_enqueue_samples_only_the_rest():
+    s = space(LLAMA8B)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=1))
+    study.enqueue_trial({"tp": 2, "pp": 1, "cp": 1})
+    got = s.suggest(study.ask())
+    assert (got["tp"], got["pp"], got["cp"]) == (2, 1, 1)
+    assert got["mbs"] in (1, 2, 4, 8)
+
+
+def test_layout_matches_a_hand_built_one():
+    lay = space(LLAMA8B).layout({"tp": 2, "pp": 2, "cp": 1, "mbs": 2, "recompute_granularity": "full",
+                                  "recompute_method": "block", "recompute_num_layers": 4})
+    assert lay == Layout(n_gpus=8, gbs=64, tp=2, pp=2, cp=1, mbs=2, recompute_granularity="full",
+                         recompute_method="block", recompute_num_layers=4, sequence_parallel=True)
+    assert (lay.dp, lay.microbatches) == (2, 16)
