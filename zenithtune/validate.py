@@ -204,21 +204,25 @@ def recompute_options(lay: Layout, model: ModelInfo) -> str | None:
     g, m, n = lay.recompute_granularity, lay.recompute_method, lay.recompute_num_layers
     if g is None:
         if m is not None or n is not None:
-            return "--recompute-method/--recompute-num-layers need --recompute-granularity full"
+            return (f"--recompute-method ({m}) / --recompute-num-layers ({n}) need --recompute-granularity full "
+                    f"(no granularity given)")
         return None
     if g == "selective":
         if m is not None:
-            return "recompute method is not yet supported for selective recomputing granularity"
+            return (f"recompute method ({m}) is not yet supported for selective recomputing granularity; "
+                    f"drop --recompute-method")
         if n is not None:
-            return "recompute num layers is not supported with selective recomputing granularity"
+            return (f"recompute num layers ({n}) is not supported with selective recomputing granularity; "
+                    f"drop --recompute-num-layers")
         return None
     if g != "full":
         return f"recompute granularity must be 'full' or 'selective' (got {g!r})"
     if m not in ("uniform", "block"):
         return f"full recompute needs --recompute-method uniform|block (got {m!r})"
-    if not n or n < 1:
-        return f"full recompute needs --recompute-num-layers >= 1 (got {n})"
     L = model.num_layers
+    if not n or n < 1:
+        per_stage_text = f" and the layers per pipeline stage ({L // lay.pp})" if L and lay.pp > 0 else ""
+        return f"full recompute needs --recompute-num-layers between 1{per_stage_text} (got {n})"
     if L and lay.pp > 0:
         per_stage = L // lay.pp
         if m == "block" and n > per_stage:
@@ -232,8 +236,9 @@ def recompute_options(lay: Layout, model: ModelInfo) -> str | None:
 
 def moe_needs_sequence_parallel(lay: Layout, model: ModelInfo) -> str | None:
     if model.is_moe and lay.tp > 1 and not lay.sequence_parallel:
-        return ("during training, performance may degrade if MoE and tensor parallelism are enabled "
-                "without also enabling sequence parallelism (add --sequence-parallel)")
+        return (f"during training, performance may degrade if MoE ({model.num_experts} experts) and tensor "
+                f"parallelism (tensor model parallel size {lay.tp}) are enabled without also enabling sequence "
+                f"parallelism (add --sequence-parallel)")
     return None
 
 
