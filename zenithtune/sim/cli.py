@@ -13,13 +13,17 @@ def main(simulate: Callable[[list[str], dict[str, str] | None], SimResult], argv
     res = simulate(argv, dict(os.environ))
     scale = res.config.time_scale if res.config is not None else 0.0
     clock = 0.0
-    for event in sorted(res.events, key=lambda e: e.at):
-        if scale > 0 and event.at > clock:
-            time.sleep((event.at - clock) * scale)
-            clock = event.at
-        stream = sys.stdout if event.stream == "stdout" else sys.stderr
-        stream.write(event.text + "\n")
-        stream.flush()
+    try:
+        for event in sorted(res.events, key=lambda e: e.at):
+            if scale > 0 and event.at > clock:
+                time.sleep((event.at - clock) * scale)
+                clock = event.at
+            stream = sys.stdout if event.stream == "stdout" else sys.stderr
+            stream.write(event.text + "\n")
+            stream.flush()
+    except BrokenPipeError:  # `| head`: the reader left; say nothing more
+        sys.stdout = sys.stderr = None
+        os._exit(res.exit_code)
     if scale > 0 and res.wall_seconds > clock:
         time.sleep((res.wall_seconds - clock) * scale)
     return res.exit_code

@@ -116,9 +116,9 @@ def _oom_lines(cfg: SimConfig, mem: physics.MemoryReport, static_only: bool) -> 
     st = mem.worst
     cap = mem.capacity
     tried = (st.grads if static_only else st.largest_alloc) / gib
-    in_use = min(cap - 0.02 * gib, mem.in_use_peak - tried * gib) / gib
-    in_use = max(in_use, 0.5)
-    free = max(cap / gib - in_use, 0.0)
+    # the allocation that fails is the first that does not fit: less than it is still free
+    free = min(0.45 * tried, 0.02 + (mem.in_use_peak - cap) / gib % 1.0 * min(tried, 1.0) * 0.5)
+    in_use = cap / gib - free
     allocated = max(in_use - mem.non_torch / gib - 0.3, 0.1)
     rank = stage_rank(cfg, st.stage)
     where = "megatron/core/distributed/param_and_grad_buffer.py" if static_only else "megatron/core/transformer/mlp.py"
