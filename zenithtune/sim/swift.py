@@ -184,7 +184,7 @@ def simulate_swift(argv: list[str], env: dict[str, str] | None = None) -> SimRes
     cfg = prepare(argv, env, parse_swift)
     if isinstance(cfg, SimResult):
         return cfg
-    warnings, out = run_config(cfg, argv, env)
+    warnings, out = run_config(cfg, env)
     if isinstance(out, SimResult):
         return out
     x = physics.shape_of(cfg)

@@ -1,0 +1,190 @@
+"""Every Megatron rule (MEGATRON.md §Rules, zenithtune.validate) rejects with a message naming the numbers,
+both in the tuner's validator (`validate.check`) and in the simulated `pretrain_gpt.py` (CLI, exit 1)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from zenithtune.modelinfo import ModelInfo
+from zenithtune.sim import simulate
+from zenithtune.validate import RULES, Layout, check, env_errors
+
+DENSE = ModelInfo(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, seq_length=4096,
+                  vocab_size=32000, num_experts=0, swiglu=True, disable_bias_linear=True)
+MOE = ModelInfo(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=4, seq_length=4096,
+                vocab_size=32000, num_experts=64, moe_router_topk=8, moe_ffn_hidden_size=768, swiglu=True,
+                disable_bias_linear=True)
+
+
+def argv_for(lay: Layout, model: ModelInfo) -> list[str]:
+    """The pretrain_gpt.py options stating this layout and model (what the tuner would launch)."""
+    out = ["--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
+           "--num-attention-heads", model.num_attention_heads, "--seq-length", model.seq_length,
+           "--vocab-size", model.vocab_size, "--position-embedding-type", "rope",
+           "--micro-batch-size", lay.mbs, "--global-batch-size", lay.gbs, "--train-iters", 2, "--bf16",
+           "--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
+           "--context-parallel-size", lay.cp, "--expert-model-parallel-size", lay.ep,
+           "--sim-world-size", lay.n_gpus]
+    if model.num_query_groups != model.num_attention_heads:
+        out += ["--group-query-attention", "--num-query-groups", model.num_query_groups]
+    if model.kv_channels:
+        out += ["--kv-channels", model.kv_channels]
+    if model.swiglu:
+        out.append("--swiglu")
+    if model.disable_bias_linear:
+        out.append("--disable-bias-linear")
+    if model.is_moe:
+        out += ["--num-experts", model.num_experts, "--moe-router-topk", model.moe_router_topk,
+                "--moe-ffn-hidden-size", model.moe_ffn_hidden_size]
+    if lay.etp is not None:
+        out += ["--expert-tensor-parallel-size", lay.etp]
+    if lay.sequence_parallel:
+        out.append("--sequence-parallel")
+    if lay.layers_per_virtual_stage:
+        out += ["--num-layers-per-virtual-pipeline-stage", lay.layers_per_virtual_stage]
+    if not lay.overlap_p2p:
+        out.append("--no-overlap-p2p-communication")
+    for opt, value in (("--recompute-granularity", lay.recompute_granularity),
+                       ("--recompute-method", lay.recompute_method),
+                       ("--recompute-num-layers", lay.recompute_num_layers)):
+        if value is not None:
+            out += [opt, value]
+    return [str(x) for x in out]
+
+
+def m(base: ModelInfo, **kw) -> ModelInfo:
+    return ModelInfo(**{**base.__dict__, **kw})
+
+
+@dataclass(frozen=True)
+class Case:
+    rule: str
+    lay: Layout
+    model: ModelInfo
+    numbers: tuple[str, ...]  # what the message must name
+    id: str = field(default="")
+
+
+CASES = (
+    Case("world_divisible", Layout(n_gpus=8, gbs=64, tp=3), DENSE,
+         ("world size (8)", "tensor model parallel size (3)", "= 3")),
+    Case("world_divisible", Layout(n_gpus=12, gbs=48, tp=4, pp=2), DENSE,
+         ("world size (12)", "(4)", "pipeline model parallel size (2)", "= 8"), "tp-pp"),
+    Case("expert_grid", Layout(n_gpus=8, gbs=64, tp=2, ep=8, sequence_parallel=True), MOE,
+         ("world size (8)", "expert tensor parallel size (2)", "expert model parallel size (8)", "= 16")),
+    Case("experts", Layout(n_gpus=8, gbs=64, ep=2), DENSE, ("expert model parallel size (2)",), "dense"),
+    Case("experts", Layout(n_gpus=8, gbs=64, ep=4), m(MOE, num_experts=6),
+         ("number of experts (6)", "expert model parallel size (4)"), "indivisible"),
+    Case("tp_heads", Layout(n_gpus=8, gbs=64, tp=8), m(DENSE, num_attention_heads=12, num_query_groups=12,
+                                                         hidden_size=1536),
+         ("number of attention heads (12)", "tensor model parallel size (8)")),
+    Case("tp_query_groups", Layout(n_gpus=8, gbs=64, tp=4), m(DENSE, num_attention_heads=24, num_query_groups=6,
+                                                                hidden_size=3072),
+         ("number of query groups (6)", "tensor model parallel size (4)")),
+    Case("hidden_heads", Layout(n_gpus=8, gbs=64), m(DENSE, hidden_size=1000, num_attention_heads=16,
+                                                       num_query_groups=16),
+         ("hidden size (1000)", "number of attention heads (16)")),
+    Case("cp_seq", Layout(n_gpus=8, gbs=64, cp=4), m(DENSE, seq_length=4100),
+         ("sequence length (4100)", "(8)")),
+    Case("gbs", Layout(n_gpus=8, gbs=60, mbs=1), DENSE,
+         ("global batch size (60)", "micro batch size (1)", "data parallel size (8)")),
+    Case("gbs", Layout(n_gpus=8, gbs=64, mbs=16), DENSE,
+         ("global batch size (64)", "micro batch size (16)", "data parallel size (8)", "= 128"), "mbs"),
+    Case("pp_layers", Layout(n_gpus=8, gbs=64, pp=4), m(DENSE, num_layers=30),
+         ("number of layers (30)", "pipeline model parallel size (4)")),
+    Case("virtual_pipeline", Layout(n_gpus=8, gbs=64, layers_per_virtual_stage=4), DENSE,
+         ("greater than 1", "got 1"), "pp1"),
+    Case("virtual_pipeline", Layout(n_gpus=8, gbs=64, pp=2, layers_per_virtual_stage=4, overlap_p2p=False), DENSE,
+         ("greater than 2", "got 2"), "no-overlap"),
+    Case("virtual_pipeline", Layout(n_gpus=8, gbs=64, pp=2, layers_per_virtual_stage=3), DENSE,
+         ("layers per pipeline stage (16)", "virtual pipeline stage (3)"), "chunks"),
+    Case("virtual_pipeline", Layout(n_gpus=8, gbs=2, tp=2, pp=4, layers_per_virtual_stage=4,
+                                    sequence_parallel=True), DENSE,
+         ("pipeline-model-parallel size (4)", "got 2"), "microbatches"),
+    Case("recompute", Layout(n_gpus=8, gbs=64, recompute_method="uniform", recompute_num_layers=1), DENSE,
+         ("--recompute-method (uniform)", "--recompute-num-layers (1)"), "no-granularity"),
+    Case("recompute", Layout(n_gpus=8, gbs=64, recompute_granularity="selective", recompute_method="block"),
+         DENSE, ("recompute method (block)", "selective"), "selective-method"),
+    Case("recompute", Layout(n_gpus=8, gbs=64, recompute_granularity="selective", recompute_num_layers=2),
+         DENSE, ("recompute num layers (2)", "selective"), "selective-layers"),
+    Case("recompute", Layout(n_gpus=8, gbs=64, recompute_granularity="full", recompute_num_layers=1), DENSE,
+         ("uniform|block", "got None"), "full-no-method"),
+    Case("recompute", Layout(n_gpus=8, gbs=64, recompute_granularity="full", recompute_method="uniform"), DENSE,
+         ("layers per pipeline stage (32)", "got None"), "full-no-layers"),
+    Case("recompute", Layout(n_gpus=8, gbs=64, pp=2, recompute_granularity="full", recompute_method="block",
+                             recompute_num_layers=20), DENSE,
+         ("recompute num layers (20)", "layers per pipeline stage (16)"), "block-too-many"),
+    Case("recompute", Layout(n_gpus=8, gbs=64, recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=5), DENSE,
+         ("layers per pipeline stage (32)", "chunk (5)"), "uniform-chunk"),
+    Case("moe_sequence_parallel", Layout(n_gpus=8, gbs=64, tp=2, ep=4), MOE,
+         ("64 experts", "tensor model parallel size 2")),
+    Case("moe_etp_bias", Layout(n_gpus=8, gbs=64, ep=4, etp=2), m(MOE, disable_bias_linear=False),
+         ("expert tensor parallel size (2)",)),
+)
+IDS = [f"{c.rule}-{c.id}" if c.id else c.rule for c in CASES]
+
+
+def test_every_megatron_rule_has_a_case():
+    megatron_rules = {r.name for r in RULES if r.kind == "megatron"}
+    assert megatron_rules <= {c.rule for c in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_validator_rejects_naming_the_numbers(case):
+    reasons = dict(check(case.lay, case.model, kinds=("megatron",)))
+    assert case.rule in reasons, reasons
+    for text in case.numbers:
+        assert text in reasons[case.rule]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_simulated_megatron_rejects_with_the_same_message(case):
+    res = simulate(argv_for(case.lay, case.model), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert (res.exit_code, res.kind) == (1, "invalid"), res.stdout[-300:] + res.stderr[-300:]
+    reason = dict(check(case.lay, case.model, kinds=("megatron",)))[case.rule]
+    assert reason in res.errors
+    # Megatron stops at its first assertion; the simulator reports the first broken rule the same way
+    assert res.stderr.splitlines()[-1] == f"AssertionError: {res.errors[0]}"
+
+
+@pytest.mark.parametrize("case", CASES[:: 4], ids=IDS[:: 4])
+def test_the_cli_exits_1_with_the_assertion_on_stderr(case):
+    out = subprocess.run([sys.executable, "-m", "zenithtune.sim", *argv_for(case.lay, case.model)],
+                         capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("AssertionError: ")
+    assert any(text in last for text in case.numbers)
+
+
+def test_the_valid_layouts_next_to_the_cases_run():
+    ok = Layout(n_gpus=8, gbs=64, tp=2, ep=4, sequence_parallel=True, recompute_granularity="selective")
+    assert check(ok, MOE, kinds=("megatron",)) == []
+    assert simulate(argv_for(ok, MOE), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}).kind in ("ok", "oom")
+    tp_multiple_of_groups = Layout(n_gpus=8, gbs=64, tp=8, sequence_parallel=True)  # 8 groups, newer Megatron
+    assert check(tp_multiple_of_groups, m(DENSE, num_query_groups=4), kinds=("megatron",)) == []
+    pp2_interleaved = Layout(n_gpus=8, gbs=64, pp=2, layers_per_virtual_stage=4)  # p2p overlap is the default
+    assert check(pp2_interleaved, DENSE, kinds=("megatron",)) == []
+    ep_on_its_own_grid = Layout(n_gpus=8, gbs=64, tp=2, ep=4, etp=1, sequence_parallel=True)  # d = 8/2, not 8/8
+    assert check(ep_on_its_own_grid, MOE, kinds=("megatron",)) == []
+
+
+def test_cuda_device_max_connections_is_required_for_tp_or_cp():
+    lay = Layout(n_gpus=8, gbs=64, tp=2, sequence_parallel=True)
+    (msg,) = env_errors(lay, {})
+    assert "tp=2" in msg and "CUDA_DEVICE_MAX_CONNECTIONS to 1" in msg
+    assert env_errors(lay, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == []
+    res = simulate(argv_for(lay, DENSE), {})
+    assert res.kind == "ok" and f"WARNING: {msg}" in res.stderr  # users run the simulator by hand
+
+
+def test_an_option_megatron_does_not_know_is_a_parse_error():
+    res = simulate([*argv_for(Layout(n_gpus=8, gbs=64), DENSE), "--recompute-modules-typo", "core_attn"])
+    assert res.exit_code == 2
+    assert "pretrain_gpt.py: error: unrecognized arguments: --recompute-modules-typo core_attn" in res.stderr
