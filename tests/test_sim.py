@@ -62,7 +62,8 @@ def test_model_flops_follow_megatrons_formula():
     # Llama-3-8B, B=64, s=8192: MEGATRON.md's formula written out by hand
     B, s, L, h, a, g, F, V = 64, 8192, 32, 4096, 32, 8, 14336, 128256
     d = h // a
-    expected = 6 * B * s * (h * 3 * F * L + L * (h * (a * d + 2 * g * d) + a * d * h) + h * V) + 6 * B * s * s * L * a * d
+    expected = (6 * B * s * (h * 3 * F * L + L * (h * (a * d + 2 * g * d) + a * d * h) + h * V)
+                + 6 * B * s * s * L * a * d)
     assert model_flops(prepare(GOOD, ENV)) == pytest.approx(expected)
 
 

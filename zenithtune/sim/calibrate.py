@@ -6,7 +6,8 @@ ours and written in the row (GPT shapes: MHA, GELU MLP 4h, untied embeddings):
 - H100 (Megatron-Core weak scaling, s=4096, V=131072, selective recompute, distributed optimizer, TP/DP
   overlaps on, model FLOPs): 1.7B = 24 layers x 2048 (16 heads), 7.1B = 32 x 4096 (32), 16B = 40 x 5120
   (40), 32B = 48 x 7168 (56), 70B = Llama-2-70B (80 x 8192, 64 heads / 8 groups, SwiGLU 28672),
-  177B = GPT-3 (96 x 12288, 96 heads). DP 64 on every row, GBS 1024 (GPT-3's 1536 for 177B), micro-batch sizes as listed.
+  177B = GPT-3 (96 x 12288, 96 heads). DP 64 on every row, GBS 1024 (GPT-3's 1536 for 177B),
+  micro-batch sizes as listed.
 - A100 (Narayanan et al. 2021, Table 1, shapes and GBS published; s=2048, V=51200, full recompute,
   unfused attention, no sequence parallelism, no distributed optimizer): the figures count the
   recompute pass (hardware FLOPs = 96·B·s·L·h²·(1 + s/6h + V/16Lh)), so the simulated iteration time is
@@ -63,7 +64,8 @@ ROWS: tuple[Row, ...] = (
     Row("GPT 3.6B TP2 (A100)", 138, _gpt(30, 3072, 32, 2048, 51200, 2, 1, 64, 8, 512, *_A100), "hardware", "a100"),
     Row("GPT 7.5B TP4 (A100)", 142, _gpt(36, 4096, 32, 2048, 51200, 4, 1, 128, 8, 512, *_A100), "hardware", "a100"),
     Row("GPT 18.4B TP8 (A100)", 135, _gpt(40, 6144, 48, 2048, 51200, 8, 1, 256, 4, 1024, *_A100), "hardware", "a100"),
-    Row("GPT 39.1B TP8 PP2 (A100)", 138, _gpt(48, 8192, 64, 2048, 51200, 8, 2, 512, 2, 1536, *_A100), "hardware", "a100"),
+    Row("GPT 39.1B TP8 PP2 (A100)", 138, _gpt(48, 8192, 64, 2048, 51200, 8, 2, 512, 2, 1536, *_A100),
+        "hardware", "a100"),
     Row("GPT 76.1B TP8 PP4 (A100)", 140, _gpt(60, 10240, 80, 2048, 51200, 8, 4, 1024, 2, 1792, *_A100,
                                               "--num-layers-per-virtual-pipeline-stage", "5"), "hardware", "a100"),
     Row("GPT 145.6B TP8 PP8 (A100)", 148, _gpt(80, 12288, 96, 2048, 51200, 8, 8, 1536, 2, 2304, *_A100,

@@ -19,8 +19,7 @@ from functools import lru_cache
 
 from zenithtune.modelinfo import info_from_config
 from zenithtune.sim import physics
-from zenithtune.sim.arguments import (ArgumentError, ConfigError, SimConfig, Vision, _Parser, padded_vocab,
-                                      world_size)
+from zenithtune.sim.arguments import ConfigError, SimConfig, Vision, _Parser, padded_vocab, world_size
 from zenithtune.sim.hardware import GPUS
 from zenithtune.sim.trainer import EPOCH, Event, SimResult, finish, prepare, run_config
 from zenithtune.validate import Layout

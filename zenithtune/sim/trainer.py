@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Callable, Literal
 
-from zenithtune.sim import physics
+from zenithtune.sim import physics, timing
 from zenithtune.sim.arguments import ArgumentError, ConfigError, SimConfig, parse_megatron
 from zenithtune.validate import env_errors, megatron_errors
 
@@ -118,20 +118,20 @@ def _oom_lines(cfg: SimConfig, mem: physics.MemoryReport, static_only: bool) -> 
     st = mem.worst
     cap = mem.capacity
     tried = (st.grads if static_only else st.largest_alloc) / gib
-    # the allocation that fails is the first that does not fit: less than it is still free
-    free = min(0.45 * tried, 0.02 + (mem.in_use_peak - cap) / gib % 1.0 * min(tried, 1.0) * 0.5)
+    free = min(0.45 * tried, 0.5)  # the failing allocation is the first that does not fit
     in_use = cap / gib - free
     allocated = max(in_use - mem.non_torch / gib - 0.3, 0.1)
-    rank = stage_rank(cfg, st.stage)
-    where = "megatron/core/distributed/param_and_grad_buffer.py" if static_only else "megatron/core/transformer/mlp.py"
-    return (_traceback("training.py") + [f'  File "{where}"', "    ...",
-            f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried:.2f} GiB. GPU {rank % cfg.gpus_per_node} "
-            f"has a total capacity of {cap / gib:.2f} GiB of which {free:.2f} GiB is free. Including non-PyTorch "
-            f"memory, this process has {in_use:.2f} GiB memory in use. Of the allocated memory {allocated:.2f} GiB "
-            f"is allocated by PyTorch, and 0.30 GiB is reserved by PyTorch but unallocated. If reserved but "
-            f"unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
-            f"fragmentation.  See documentation for Memory Management  "
-            f"(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"])
+    gpu = stage_rank(cfg, st.stage) % cfg.gpus_per_node
+    where = ("megatron/core/distributed/param_and_grad_buffer.py" if static_only
+             else "megatron/core/transformer/mlp.py")
+    message = (f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried:.2f} GiB. GPU {gpu} has a "
+               f"total capacity of {cap / gib:.2f} GiB of which {free:.2f} GiB is free. Including non-PyTorch "
+               f"memory, this process has {in_use:.2f} GiB memory in use. Of the allocated memory "
+               f"{allocated:.2f} GiB is allocated by PyTorch, and 0.30 GiB is reserved by PyTorch but "
+               f"unallocated. If reserved but unallocated memory is large try setting "
+               f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+               f"for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+    return _traceback("training.py") + [f'  File "{where}"', "    ...", message]
 
 
 def stage_rank(cfg: SimConfig, stage: int) -> int:
@@ -152,7 +152,7 @@ class Outcome:
 
     memory: physics.MemoryReport
     flops: float  # model FLOPs per iteration
-    iteration: physics.IterationTime
+    iteration: timing.IterationTime
     iterations: list[float]  # seconds of each iteration, warm-up and noise included
     startup: float
 
@@ -172,7 +172,7 @@ def run_config(cfg: SimConfig, env: dict[str, str] | None) -> tuple[list[str], O
     if mem.oom:
         static_only = mem.worst.static + mem.non_torch > mem.capacity
         at = startup * (0.8 if static_only else 1.0)
-        it = physics.iteration_time(cfg)
+        it = timing.iteration_time(cfg)
         wall = at + (0.0 if static_only else 0.4 * it.total * WARMUP[0])
         res = SimResult(exit_code=1, kind="oom", wall_seconds=wall, config=cfg,
                         peak_memory_gb=mem.in_use_peak / physics.GIB, capacity_gb=mem.capacity / physics.GIB,
@@ -181,7 +181,7 @@ def run_config(cfg: SimConfig, env: dict[str, str] | None) -> tuple[list[str], O
         res.events += [Event(PARSE_SECONDS, "stdout", line) for line in banner(cfg)]
         res.events += [Event(wall, "stderr", line) for line in _oom_lines(cfg, mem, static_only)]
         return warnings, res
-    it = physics.iteration_time(cfg)
+    it = timing.iteration_time(cfg)
     rng = random.Random(_seed(cfg, cfg.seed))
     run_factor = 1.0 + (rng.gauss(0.0, cfg.noise_pct / 100.0) if cfg.noise_pct else 0.0)
     run_factor = max(run_factor, 0.5)
