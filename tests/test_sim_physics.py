@@ -128,3 +128,13 @@ def test_every_gpu_runs_and_reports_its_capacity(gpu):
     assert res.capacity_gb == pytest.approx({"h100": 79.11, "h200": 139.72, "a100-80g": 79.15,
                                              "a100-40g": 39.39}[gpu])
     assert res.tflops < {"h100": 989, "h200": 989, "a100-80g": 312, "a100-40g": 312}[gpu] * 0.7
+
+
+@pytest.mark.parametrize("name, billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55), ("qwen3-30b-a3b", 30.53),
+                                            ("mixtral-8x7b", 46.70)])
+def test_parameter_counts_match_the_published_models(name, billions):
+    from zenithtune.sim.physics import total_params
+    from zenithtune.sim.trainer import prepare
+
+    cfg = prepare([*MODELS[name], *layout_args(n_gpus=8, gbs=64)], {})
+    assert total_params(cfg) / 1e9 == pytest.approx(billions, abs=0.01)

@@ -167,6 +167,7 @@ class StageMemory:
     activations: float  # saved activations of the micro-batches in flight
     transient: float  # peak working set on top: logits + loss, recompute chunk, workspaces
     largest_alloc: float  # the single biggest allocation of the step (the one that fails first)
+    largest_site: str  # the Megatron source file that makes it (for the OOM traceback)
 
     @property
     def static(self) -> float:
@@ -257,10 +258,13 @@ def stage_memory(cfg: SimConfig, stage: int) -> StageMemory:
 
     logits = LOGITS_BYTES * x.tok * x.V / x.t if stage == x.p - 1 else 0.0
     transient = working + logits + WORKSPACE_GIB * GIB
-    largest = max(4.0 * x.tok * x.V / x.t if logits else 0.0,
-                  2.0 * x.tok * max(x.gated - 1, 1) * (x.F or x.Fm) / x.t,
-                  2.0 * x.tok * x.h)
-    return StageMemory(stage, weights, grads, optimizer, activations, transient, largest)
+    candidates = {  # the single biggest allocations of a step, by where they happen
+        "megatron/core/tensor_parallel/cross_entropy.py": 4.0 * x.tok * x.V / x.t if logits else 0.0,
+        "megatron/core/transformer/mlp.py": 2.0 * x.tok * max(x.gated - 1, 1) * (x.F or x.Fm) / x.t,
+        "megatron/core/transformer/transformer_layer.py": 2.0 * x.tok * x.h,
+    }
+    site = max(candidates, key=candidates.get)
+    return StageMemory(stage, weights, grads, optimizer, activations, transient, candidates[site], site)
 
 
 @dataclass(frozen=True)

@@ -122,8 +122,7 @@ def _oom_lines(cfg: SimConfig, mem: physics.MemoryReport, static_only: bool) -> 
     in_use = cap / gib - free
     allocated = max(in_use - mem.non_torch / gib - 0.3, 0.1)
     gpu = stage_rank(cfg, st.stage) % cfg.gpus_per_node
-    where = ("megatron/core/distributed/param_and_grad_buffer.py" if static_only
-             else "megatron/core/transformer/mlp.py")
+    where = "megatron/core/distributed/param_and_grad_buffer.py" if static_only else st.largest_site
     message = (f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried:.2f} GiB. GPU {gpu} has a "
                f"total capacity of {cap / gib:.2f} GiB of which {free:.2f} GiB is free. Including non-PyTorch "
                f"memory, this process has {in_use:.2f} GiB memory in use. Of the allocated memory "
