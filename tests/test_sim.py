@@ -198,6 +198,12 @@ def test_cli_exit_codes_and_streams():
     assert bad.returncode == 2 and "pretrain_gpt.py: error: unrecognized arguments: --bogus" in bad.stderr
 
 
+def test_cli_under_a_launcher_prints_the_log_on_rank_0_only():
+    quiet = cli("zenithtune.sim", *GOOD, env={**ENV, "RANK": "3"})
+    assert quiet.returncode == 0 and quiet.stdout == ""
+    assert " iteration " in cli("zenithtune.sim", *GOOD, env={**ENV, "RANK": "0"}).stdout
+
+
 def test_cli_sleeps_the_scaled_wall_time():
     res = simulate(GOOD, ENV)
     scale = 0.6 / res.wall_seconds

@@ -11,6 +11,8 @@ from zenithtune.sim.trainer import SimResult
 
 def main(simulate: Callable[[list[str], dict[str, str] | None], SimResult], argv: list[str]) -> int:
     res = simulate(argv, dict(os.environ))
+    # under a launcher every rank runs this; like Megatron, only rank 0 prints the log (errors: all ranks)
+    quiet = os.environ.get("RANK", "0") != "0"
     scale = res.config.time_scale if res.config is not None else 0.0
     clock = 0.0
     try:
@@ -18,6 +20,8 @@ def main(simulate: Callable[[list[str], dict[str, str] | None], SimResult], argv
             if scale > 0 and event.at > clock:
                 time.sleep((event.at - clock) * scale)
                 clock = event.at
+            if quiet and event.stream == "stdout":
+                continue
             stream = sys.stdout if event.stream == "stdout" else sys.stderr
             stream.write(event.text + "\n")
             stream.flush()
