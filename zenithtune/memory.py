@@ -9,15 +9,18 @@ what the tuner can know before launching, not what the GPU will do. Approximatio
   distributed optimizer; 6 + 12/(dp·cp) with it (experts: 6 + 12/expert_dp).
 * Activations per layer per micro-batch after Korthikanti et al. 2022, generalised to GQA, SwiGLU,
   the real ffn width and top-k routing (at GPT shapes it is exactly 34·s·b·h + 5·a·s²·b bytes).
-  Attention scores (5·a·s²·b) are stored only without recompute (no flash attention assumed);
-  selective recompute drops them; full recompute keeps each layer's 2·s·b·h input plus the working
+  Attention scores (5·a·s²·b) are stored only without recompute and without flash/fused attention
+  (`flash_attention=False`: Megatron's `--attention-backend unfused|local`); with Megatron's default
+  backend (flash/fused) they never exist, so selective recompute saves about nothing there; full
+  recompute keeps each layer's 2·s·b·h input plus the working
   set of the chunk being recomputed. 1F1B keeps min(pp, micro-batches) in flight on the first stage
   (× 1 + (p−1)/(p·v) when interleaved); the last stage holds one plus fp32 logits (4·s·b·V).
   Context parallelism divides everything by cp.
 * A VLM's vision tower is replicated on the first stage (not TP-sharded) and encodes
   `vision_seq_length` patches per sample (unknown: about seq_length, a rough guess); ViT
   checkpointing keeps only each vision layer's input plus one layer's working set.
-* A fixed `overhead_gb` stands for the CUDA context, NCCL and workspace buffers and fragmentation.
+* `overhead_gb` (fixed: CUDA context, NCCL and workspace buffers) plus FRAGMENTATION x the allocated
+  memory (what PyTorch's caching allocator reserves beyond what it hands out) is the overhead.
 * Unknown shape details fall back to conservative guesses (seq_length 4096, vocab 131072, MHA,
   SwiGLU); with no layers or hidden size there is no estimate at all (None).
 
@@ -40,13 +43,14 @@ from zenithtune.validate import Layout
 log = logging.getLogger(__name__)
 
 GIB = float(2**30)
-DEFAULT_OVERHEAD_GB = 4.0  # CUDA context + NCCL/workspace buffers + fragmentation, per GPU
-DEFAULT_SAFETY_MARGIN = 0.10  # prune only above capacity x (1 + margin): the estimate errs high
+DEFAULT_OVERHEAD_GB = 4.0  # CUDA context + NCCL/workspace buffers, per GPU
+FRAGMENTATION = 0.10  # the caching allocator reserves this much more than it hands out (share of allocated)
+DEFAULT_SAFETY_MARGIN = 0.02  # prune only above capacity x (1 + margin); tuned in benchmarks/memory_accuracy.py
 DEFAULT_CAPACITY_GB = 80.0  # H100 / A100-80GB when nothing else is known
 _ASSUMED_SEQ = 4096  # when the command does not say --seq-length
 _ASSUMED_VOCAB = 131072  # when the vocab comes from a tokenizer we cannot see
 _ASSUMED_VISION_PARAMS = 600e6  # a VLM whose vision tower we know nothing about
-_LOGIT_BYTES = 4  # fp32 logits kept for the vocab-parallel cross entropy, per token per vocab entry
+_LOGIT_BYTES = 6  # bf16 logits + their fp32 copy for the vocab-parallel cross entropy coexist at the peak
 _REPLICATED_WITHOUT_SP = 10  # Korthikanti: bytes/(s·b·h) that TP does not split without SP
 
 
@@ -131,8 +135,11 @@ class _Shape:
         per_width = 6 if self.glu else 4  # fc1 output(s) + activation output, bf16
         if not moe:
             return (3 + per_width * self.F / self.h) * self.h
-        routed = self.k * (2 + per_width * self.Fm / self.h)  # every routed copy keeps input + ffn
-        return (3 + routed + per_width * self.Fs / self.h) * self.h
+        # every routed copy keeps its permuted input, its ffn intermediates and its output (the
+        # prob-weighted combine needs it); the router keeps fp32 logits and probabilities
+        routed = self.k * (4 + per_width * self.Fm / self.h)
+        router = 8 * self.E / self.h
+        return (3 + routed + router + per_width * self.Fs / self.h) * self.h
 
     @property
     def score_act(self) -> float:
@@ -145,11 +152,13 @@ def _padded_vocab(V: int, tp: int) -> int:
 
 
 def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = True,
-             vit_checkpointing: bool | None = None, overhead_gb: float = DEFAULT_OVERHEAD_GB) -> MemoryEstimate | None:
+             vit_checkpointing: bool | None = None, overhead_gb: float = DEFAULT_OVERHEAD_GB,
+             flash_attention: bool = True) -> MemoryEstimate | None:
     """Peak per-GPU memory of `layout` training `model`, or None when the shape is too unknown.
 
-    `vit_checkpointing` None means ms-swift's default (on). See the module docstring for what is
-    approximate."""
+    `vit_checkpointing` None means ms-swift's default (on). `flash_attention` False for Megatron's
+    `--attention-backend unfused|local` (attention scores are then stored unless recomputed). See
+    the module docstring for what is approximate."""
     sh = _Shape.of(model)
     if sh is None:
         return None
@@ -193,8 +202,9 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
 
     gran = layout.recompute_granularity
     moe_frac = sh.n_moe / sh.L
-    full_layer = (1 - moe_frac) * layer_act(False, True) + moe_frac * layer_act(True, True)
-    stored_layer = (1 - moe_frac) * layer_act(False, gran is None) + moe_frac * layer_act(True, gran is None)
+    scores = gran is None and not flash_attention
+    full_layer = (1 - moe_frac) * layer_act(False, not flash_attention) + moe_frac * layer_act(True, not flash_attention)
+    stored_layer = (1 - moe_frac) * layer_act(False, scores) + moe_frac * layer_act(True, scores)
     layer_input = 2 * tokens * sh.h / (split or 1)
     working = 0.0
     if gran == "full":
@@ -228,10 +238,11 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
         opt_dense = 12 / dc if distributed_optimizer else 12
         opt_expert = 12 / edp if distributed_optimizer else 12
         total_params = params_dense + params_expert
+        optimizer = opt_dense * params_dense + opt_expert * params_expert
+        allocated = 6 * total_params + optimizer + act
         return MemoryEstimate(
-            weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB,
-            optimizer_gb=(opt_dense * params_dense + opt_expert * params_expert) / GIB,
-            activations_gb=act / GIB, overhead_gb=overhead_gb, stage=name)
+            weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB, optimizer_gb=optimizer / GIB,
+            activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name)
 
     if p == 1:
         emb_all = emb * (1 if sh.tied else 2)
@@ -267,14 +278,17 @@ class MemoryModel:
     """
 
     def __init__(self, capacity_gb: float, safety_margin: float = DEFAULT_SAFETY_MARGIN, *,
-                 distributed_optimizer: bool = True, overhead_gb: float = DEFAULT_OVERHEAD_GB):
+                 distributed_optimizer: bool = True, overhead_gb: float = DEFAULT_OVERHEAD_GB,
+                 flash_attention: bool = True):
         if capacity_gb <= 0:
             raise ValueError(f"capacity_gb={capacity_gb} must be positive (GPU memory in GB, e.g. 80)")
         if safety_margin < 0:
             raise ValueError(f"safety_margin={safety_margin} must be >= 0 (0.10 = prune above capacity x 1.10)")
         self.capacity_gb = float(capacity_gb)
         self.safety_margin = float(safety_margin)
-        self.defaults: dict[str, Any] = {"distributed_optimizer": distributed_optimizer, "overhead_gb": overhead_gb}
+        # estimate() keywords used unless a call passes its own
+        self.defaults: dict[str, Any] = {"distributed_optimizer": distributed_optimizer, "overhead_gb": overhead_gb,
+                                         "flash_attention": flash_attention}
         self._ratios: list[float] = []
         self._oom_scale = 0.0  # the least scale consistent with the OOMs seen
         self._max_success: float | None = None  # largest raw estimate that ran
@@ -294,7 +308,8 @@ class MemoryModel:
         return estimate(layout, model, **{**self.defaults, **kw})
 
     def _corrected(self, est: MemoryEstimate) -> float:
-        return est.allocated_gb * self.scale + est.overhead_gb
+        # the scale applies to what the allocator hands out, and to its fragmentation with it
+        return est.total_gb + (self.scale - 1) * est.allocated_gb * (1 + FRAGMENTATION)
 
     def predict(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
         est = self._estimate(layout, model, **kw)
@@ -338,5 +353,5 @@ class MemoryModel:
         self._min_oom = min(self._min_oom if self._min_oom is not None else math.inf, est.total_gb)
         if est.allocated_gb > 0:
             # smallest scale that puts this config just above the prune limit
-            need = (self.limit_gb - est.overhead_gb) / est.allocated_gb * (1 + 1e-6)
+            need = (1 + (self.limit_gb - est.total_gb) / (est.allocated_gb * (1 + FRAGMENTATION))) * (1 + 1e-6)
             self._oom_scale = max(self._oom_scale, need)
