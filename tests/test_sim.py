@@ -275,3 +275,26 @@ def test_simresult_fields():
     for name in ("exit_code", "stdout", "stderr", "wall_seconds", "tflops", "iter_seconds", "peak_memory_gb",
                  "capacity_gb", "kind"):
         assert getattr(res, name) is not None
+
+
+def test_any_layout_ends_in_ok_oom_or_invalid_never_a_crash():
+    import random
+
+    rng = random.Random(7)
+    kinds = set()
+    for _ in range(300):
+        model = rng.choice(list(MODELS))
+        tp, pp, cp, d = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 4]), rng.choice([1, 2]), rng.choice([1, 2, 4])
+        mbs = rng.choice([1, 2, 4])
+        layout = layout_args(n_gpus=tp * pp * cp * d, gbs=mbs * d * rng.choice([1, 4, 16]), tp=tp, pp=pp, cp=cp,
+                             ep=rng.choice([1, 2, 8]), etp=rng.choice([None, 1, 2]), mbs=mbs,
+                             recompute=rng.choice([None, "selective", "full"]),
+                             recompute_method=rng.choice(["uniform", "block"]),
+                             recompute_num_layers=rng.choice([1, 2, 4]), vp=rng.choice([None, 2, 4]),
+                             gpu=rng.choice(["h100", "h200", "a100-80g", "a100-40g"]))
+        res = simulate([*MODELS[model], *layout], ENV)
+        kinds.add(res.kind)
+        assert res.exit_code == {"ok": 0, "oom": 1, "invalid": 1}[res.kind]
+        if res.kind == "ok":
+            assert 0 < res.tflops < 700 and res.peak_memory_gb < res.capacity_gb
+    assert kinds == {"ok", "oom", "invalid"}
