@@ -147,7 +147,11 @@ def build_job(cfg: DictConfig) -> Job:
                   distributed_optimizer=bool(find_option(command, "--use-distributed-optimizer")),
                   vlm_full_uniform_only=bool(preset.get("vlm_full_uniform_only", True)))
     space = Space.from_preset(preset, ctx)
-    memory = MemoryModel(capacity, safety_margin=float(cfg.get("memory_safety_margin", 0.10)))
+    # Megatron's default attention (flash / fused) never stores the s x s scores; the unfused and
+    # local backends do, which changes the activation estimate.
+    flash = find_option(command, "--attention-backend") not in ("unfused", "local")
+    memory = MemoryModel(capacity, safety_margin=float(cfg.get("memory_safety_margin", 0.02)),
+                         distributed_optimizer=ctx.distributed_optimizer, flash_attention=flash)
     survey = Survey()
     valid = list(space.walk(survey))
     if not valid:
