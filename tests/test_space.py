@@ -55,6 +55,13 @@ def test_sequence_parallel_is_removed_at_tp1_and_bools_become_words():
     assert opts["--vit-gradient-checkpointing"] == "false"
 
 
+def test_no_recompute_removes_the_granularity_option():
+    opts = options_for(PRESET, {"tp": 1, "mbs": 1, "recompute_granularity": "none"}, 64)
+    assert opts["--recompute-granularity"] is None and opts["--recompute-method"] is None
+    lay = space(LLAMA8B).layout({"tp": 1, "mbs": 1, "recompute_granularity": "none"})
+    assert lay.recompute_granularity is None
+
+
 def test_normalize_drops_parameters_that_do_not_apply():
     s = space(LLAMA8B)
     cand = {"tp": 2, "ep": 4, "mbs": 1, "recompute_granularity": "selective", "recompute_method": "block",
@@ -108,7 +115,8 @@ def test_walk_handles_12_gpus_with_tp3_out_for_32_heads():
 def test_vlm_searches_vit_checkpointing_and_only_full_uniform_by_default():
     cands = list(space(VLM, n_gpus=8, gbs=16).walk())
     assert {c["vit_gradient_checkpointing"] for c in cands} == {True, False}
-    assert all(c["recompute_granularity"] == "full" and c["recompute_method"] == "uniform" for c in cands)
+    assert {c["recompute_granularity"] for c in cands} == {"full", "none"}
+    assert all(c["recompute_method"] == "uniform" for c in cands if c["recompute_granularity"] == "full")
     relaxed = list(space(VLM, n_gpus=8, gbs=16, vlm_full_uniform_only=False).walk())
     assert any(c["recompute_granularity"] == "selective" for c in relaxed)
 

@@ -78,6 +78,8 @@ def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int) 
     out: dict[str, Any] = {}
     for name, spec in (preset.get("params") or {}).items():
         v = params.get(name)
+        if v is not None and "absent" in spec and v == spec["absent"]:
+            v = None
         if isinstance(v, bool):
             v = "true" if v else "false"
         out[str(spec["option"])] = None if v is None else str(v)
@@ -157,7 +159,7 @@ class Space:
             ep=int(c["ep"]) if moe else 1,
             etp=int(c["etp"]) if moe and c.get("etp") is not None else None,
             mbs=int(c["mbs"]),
-            recompute_granularity=c.get("recompute_granularity"),
+            recompute_granularity=None if c.get("recompute_granularity") in (None, "none") else c["recompute_granularity"],
             recompute_method=c.get("recompute_method"),
             recompute_num_layers=c.get("recompute_num_layers"),
             sequence_parallel=int(c["tp"]) > 1,
