@@ -55,6 +55,9 @@ class StudyLoop:
 
     def start(self, prior: list[Outcome]) -> None:
         """Hand the strategy and the job what a resumed study already knows."""
+        # An interrupted trial (Ctrl-C, or the tuner died) measured nothing: the strategy does not see
+        # it and the duplicate check does not count it, so the candidate may be launched again.
+        prior = [o for o in prior if o.kind != "interrupted"]
         strategy: Strategy = self.job.strategy
         strategy.direction = self.job.evaluator.direction
         strategy.setup(self.job.space, self.job.memory, prior)
@@ -140,11 +143,15 @@ class StudyLoop:
         trial.set_user_attr("launched", True)
         self.cb.launching(trial.number, cand, proposal.why, n)
         started = time.time()
+        limit = self.job.trial_timeout()
+        if limit is not None:
+            trial.set_user_attr("timeout", round(limit, 1))
         try:
-            res = self.launch(trial.number, cand, self.job.trial_timeout())
+            res = self.launch(trial.number, cand, limit)
         except KeyboardInterrupt:
             trial.set_user_attr("kind", "interrupted")
             trial.set_user_attr("reasons", ["interrupted by the user (Ctrl-C)"])
+            trial.set_user_attr("duration", round(time.time() - started, 3))
             self.study.tell(trial, state=TrialState.FAIL)
             raise
         for key, value in res.attrs.items():
@@ -159,7 +166,16 @@ class StudyLoop:
         if res.value is not None:
             self.study.tell(trial, float(res.value))
             return Outcome(state="complete", value=float(res.value), **common)
+        reason = res.reason
+        if res.kind == "timeout" and limit is not None and limit != _fixed_timeout(self.job):
+            reason += f" (dynamic limit {limit:.1f} s from the fastest successful trial)"
         trial.set_user_attr("kind", res.kind or "crash")
-        trial.set_user_attr("reasons", [res.reason])
+        trial.set_user_attr("reasons", [reason])
         self.study.tell(trial, state=TrialState.FAIL)
-        return Outcome(state="failed", kind=res.kind or "crash", reasons=[res.reason], **common)
+        return Outcome(state="failed", kind=res.kind or "crash", reasons=[reason], **common)
+
+
+def _fixed_timeout(job: Any) -> float | None:
+    cfg = getattr(job, "cfg", None)
+    fixed = cfg.get("timeout") if cfg is not None else None
+    return float(fixed) if fixed else None

@@ -1,12 +1,18 @@
 """What a study prints while it runs: the space report, one line per launched trial, the result.
 
-Plain lines (stable in CI and logs). A trial line reads:
-  [3/50] trial 7  tp=2 pp=1 cp=1 mbs=2 recompute=selective -> 412.3 TFLOP/s/GPU  best 415.0  (0:00:12)
+One line per launched trial, in a terminal and in a log alike:
+  [3/50] trial 7  tp=2 pp=1 cp=1 mbs=2 recompute=selective -> 412.3 TFLOP/s/GPU  best 415  (12.3 s, 0:01:02)
+  [4/50] trial 9  tp=1 pp=1 cp=1 mbs=8 recompute=selective -> oom: CUDA out of memory ...  best 415  (...)
+In an interactive terminal a progress bar (launched/n_trials, best so far, elapsed, ETA) stays below
+the lines (rich); when stdout is not a terminal (CI, `| tee`, a log file) only the plain lines are
+written. `TTY_INTERACTIVE=0` forces plain lines in a terminal too.
 """
 from __future__ import annotations
 
+import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -15,6 +21,7 @@ from zenithtune.strategies import Outcome
 
 SHORT = {"recompute_granularity": "recompute", "recompute_method": "method",
          "recompute_num_layers": "layers", "vit_gradient_checkpointing": "vit_ckpt"}
+_RESULT_MAX = 160  # characters of a failure reason on a trial line; trial.log has the rest
 
 
 def describe(cand: dict[str, Any]) -> str:
@@ -26,20 +33,72 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _interactive(out: TextIO) -> bool:
+    from rich.console import Console
+
+    try:
+        tty = out.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return tty and Console(file=out).is_interactive
+
+
 class Progress(Callbacks):
-    def __init__(self, total: int, metric: str, direction: str, out: TextIO | None = None):
+    def __init__(self, total: int, metric: str, direction: str, out: TextIO | None = None,
+                 interactive: bool | None = None):
+        from rich.console import Console
+
         self.total = total
         self.metric = metric
         self.direction = direction
         self.out = out or sys.stdout
+        self.interactive = _interactive(self.out) if interactive is None else interactive
+        self.console = Console(file=self.out, highlight=False, soft_wrap=True, markup=False, emoji=False,
+                               force_terminal=True if self.interactive else None)
         self.start = time.time()
         self.best: float | None = None
         self.pruned = 0
+        self._pending = ""
+        self._why: str | None = None
+        self._bar: Any = None  # rich.progress.Progress while trials run (interactive only)
+        self._task: Any = None
 
+    # --- output ------------------------------------------------------------------------------------
     def line(self, text: str = "") -> None:
-        print(text, file=self.out, flush=True)
+        if self._bar is not None:
+            self._bar.console.print(text)
+        elif self.interactive:
+            self.console.print(text)
+        else:
+            print(text, file=self.out, flush=True)
 
-    def header(self, job: Any, url: str, resumed: int = 0, stale: list[int] | None = None) -> None:
+    def _start_bar(self, done: int) -> None:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("best {task.fields[best]}  pruned {task.fields[pruned]}"),
+                        TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                        console=self.console, transient=True, redirect_stdout=True, redirect_stderr=True,
+                        speed_estimate_period=7 * 24 * 3600.0)  # trials take minutes: use every one for the ETA
+        self._task = self._bar.add_task("starting", total=self.total, completed=done, best="-", pruned=self.pruned)
+        self._bar.start()
+
+    def close(self) -> None:
+        """Take the progress bar down (the trial lines stay)."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def _update(self, **kw: Any) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, **kw)
+
+    # --- the study ---------------------------------------------------------------------------------
+    def header(self, job: Any, url: str, resumed: int = 0, stale: list[int] | None = None,
+               best: float | None = None, used: int = 0) -> None:
+        """The space report; for a resumed study also its best so far and the launches already used."""
+        self.best = best
         ctx, s = job.ctx, job.survey
         self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {ctx.gpu_memory_gb:g} GB from "
                   f"{job.memory_source}), gbs={ctx.gbs}, model: {ctx.model.summary()}")
@@ -49,14 +108,19 @@ class Progress(Callbacks):
         self.line(f"  - {job.predicted_oom_count:6d} predicted to run out of memory (not launched)")
         self.line(f"  = {s.valid - job.predicted_oom_count} left to search; strategy "
                   f"{type(job.strategy).__name__}, n_trials={self.total}")
-        self.line(f"study: {url}" + (f" (resumed with {resumed} recorded trials)" if resumed else ""))
+        self.line(f"study: {url}" + (f" (resumed with {resumed} recorded trials; {used} of n_trials={self.total} "
+                                     f"used" + (f", best {best:g}" if best is not None else "") + ")" if resumed else ""))
         if stale:
             self.line(f"  trials {stale} were running when the tuner stopped: recorded as interrupted")
 
     def launching(self, number: int, cand: dict, why: str, n: int) -> None:
         self._pending = f"[{n}/{self.total}] trial {number}  {describe(cand)}"
-        if why:
+        if why and why != self._why:
             self.line(f"  why: {why}")
+        self._why = why or self._why
+        if self.interactive and self._bar is None:
+            self._start_bar(done=n - 1)
+        self._update(description=f"trial {number} {describe(cand)}"[:60])
 
     def result(self, o: Outcome, n: int) -> None:
         if o.ok:
@@ -64,26 +128,36 @@ class Progress(Callbacks):
                 self.best = o.value
             res = f"-> {o.value:g} {self.metric}"
         else:
-            res = f"-> FAILED {o.kind}: {o.reasons[0] if o.reasons else ''}"[:160]
+            res = f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}"
+            res = res if len(res) <= _RESULT_MAX else res[:_RESULT_MAX - 3] + "..."
         best = f"best {self.best:g}" if self.best is not None else "best -"
-        self.line(f"{getattr(self, '_pending', f'[{n}/{self.total}]')} {res}  {best}  ({_clock(time.time() - self.start)})")
+        took = f"{o.duration:.1f} s, " if o.duration is not None else ""
+        self.line(f"{self._pending or f'[{n}/{self.total}]'} {res}  {best}  ({took}{_clock(time.time() - self.start)})")
+        self._pending = ""
+        self._update(completed=n, best=f"{self.best:g}" if self.best is not None else "-")
 
     def skipped(self, o: Outcome) -> None:
         self.pruned += 1
+        self._update(pruned=self.pruned)
 
-    def interrupted(self, url: str) -> None:
-        self.line("interrupted: the running trial was stopped and recorded as interrupted")
-        self.line(f"resume with the same command plus storage={url}")
+    def interrupted(self, url: str, hint: str | None = None) -> None:
+        self.close()
+        self.line("interrupted: the running trial's process group was stopped and the trial recorded as interrupted")
+        self.line("resume (finished trials are kept, the interrupted one may be retried):")
+        self.line(f"  {hint}" if hint else f"  the same command plus storage={url}")
 
     def footer(self, study: Any, best: Any, why: str) -> None:
-        launched = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched"))
-        self.line(f"done ({why}): {launched} launched, {self.pruned} proposals pruned before launch, "
-                  f"{_clock(time.time() - self.start)}")
+        self.close()
+        launched = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched")]
+        complete = sum(1 for t in launched if t.state.name == "COMPLETE")
+        failed = Counter(t.user_attrs.get("kind", "?") for t in launched if t.state.name == "FAIL")
+        fails = "".join(f", {n} {k}" for k, n in failed.most_common())
+        self.line(f"done ({why}): {len(launched)} launched ({complete} complete{fails}), {self.pruned} proposals "
+                  f"pruned before launch, {_clock(time.time() - self.start)}")
         if best is not None:
             cand = best.user_attrs.get("candidate") or best.params
             self.line(f"best: trial {best.number}  {describe(cand)}  {best.value:g} {self.metric}")
             if best.user_attrs.get("argv"):
-                import shlex
                 self.line(f"  argv: {shlex.join(best.user_attrs['argv'])}")
 
     def wrote(self, path: Path, hint: str | None = None) -> None:

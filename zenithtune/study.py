@@ -20,6 +20,10 @@ from zenithtune.strategies import Outcome
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
+# Study user attr the sweeper sets: {overrides, command, n_gpus, gbs, model, preset, strategy, metric}
+# — what `zenithtune apply --db-path` and `zenithtune analyze` need to re-create and describe a trial.
+STUDY_ATTR = "zenithtune"
+
 
 def default_storage(sweep_dir: str | os.PathLike) -> str:
     return f"sqlite:///{Path(sweep_dir).resolve() / 'study.db'}"
@@ -88,8 +92,9 @@ def history(study: optuna.Study) -> list[Outcome]:
 
 
 def launched_count(study: optuna.Study) -> int:
+    """Launched trials that count against n_trials: an interrupted one measured nothing and does not."""
     return sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched")
-               and t.state in (TrialState.COMPLETE, TrialState.FAIL))
+               and t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.user_attrs.get("kind") != "interrupted")
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:

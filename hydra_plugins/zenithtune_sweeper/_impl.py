@@ -56,18 +56,40 @@ class StudyRunner:
                  f"evaluator wants to {job.evaluator.direction}: use a new storage")
         stale = zstudy.close_stale(study)
         prior = zstudy.history(study)
+        self._remember(study, job)
         n_trials = int(cfg.n_trials)
         progress = Progress(total=n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
-        progress.header(job, url, resumed=len(prior), stale=stale)
+        best = zstudy.best_trial(study)
+        progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None,
+                        used=zstudy.launched_count(study))
         loop = StudyLoop(job, study, self._launch, progress, self.max_consecutive_skips)
         loop.start(prior)
         try:
             why = loop.run(n_trials, launched=zstudy.launched_count(study), fail_fast=int(cfg.get("fail_fast") or 0))
         except KeyboardInterrupt:
-            progress.interrupted(url)
+            zstudy.close_stale(study)  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
+            progress.interrupted(url, self._resume_hint(url))
             raise SystemExit(130)
         return self._finish(study, job, url, sweep_dir, progress, why)
+
+    def _remember(self, study: Any, job: Job) -> None:
+        """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
+        and the command as given (None = the config's default command)."""
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = HydraConfig.get().runtime.choices
+        study.set_user_attr(zstudy.STUDY_ATTR, {
+            "overrides": list(self.arguments), "command": app.environ_command(),
+            "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": self.config.get("model"),
+            "preset": choices.get("preset"), "strategy": choices.get("strategy"),
+            "metric": job.evaluator.metric_name})
+
+    def _resume_hint(self, url: str) -> str:
+        from zenithtune.cli import resume_command
+
+        ov = self.config.hydra.overrides
+        return resume_command(url, list(ov.task), list(ov.hydra), app.environ_command())
 
     def _launch(self, number: int, cand: dict, timeout: float | None) -> Launched:
         overrides = list(self.arguments) + [f"++params.{k}={_override_value(v)}" for k, v in cand.items()]
@@ -124,5 +146,8 @@ class StudyRunner:
             target = Path.cwd() / "conf" / "tuned" / f"{name}.yaml"
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(job.tuned_yaml(best, where, name=str(name)))
-            progress.wrote(target, f"apply it with: python -m zenithtune tuned={name} -- <your command>")
+            progress.wrote(target, f"commit it; apply: zenithtune apply --tuned {name} -- <your command>, "
+                                   f"or python -m zenithtune tuned={name} -- <your command>")
+        if why != "interrupted":
+            progress.line(f"analyze: zenithtune analyze {where}")
         return best
