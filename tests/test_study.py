@@ -137,3 +137,21 @@ def test_unknown_group_option_lists_the_available_ones(tmp_path, group, name):
     assert f"Could not find '{group}/{name}'" in r.stderr
     assert "Available options" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_stock_hydra_optuna_baseline_runs_and_wastes_trials_on_invalid_layouts(tmp_path):
+    r = zt(tmp_path, "-m", "+baseline=stock_tpe", "n_gpus=8", "gbs=64", "n_trials=8")
+    assert r.returncode == 0, r.stderr
+    study = optuna.load_study(study_name="stock_tpe", storage=f"sqlite:///{study_dir(tmp_path) / 'study.db'}")
+    assert len(study.trials) == 8  # every proposal is a trial: invalid ones use up the budget
+    assert sum(t.state == optuna.trial.TrialState.FAIL for t in study.trials) >= 3
+    for t in study.trials:
+        info = json.loads((study_dir(tmp_path) / f"trial_{t.number}" / "trial.json").read_text())
+        if t.state == optuna.trial.TrialState.FAIL and "returncode" not in info:
+            # screened inside the entry function: never run, reason recorded
+            assert info["failure"]["kind"] == "invalid_args" and info["failure"]["reason"]
+        elif t.state == optuna.trial.TrialState.FAIL:
+            assert info["failure"]["kind"] == "oom"  # a miss of the estimate, run and failed
+        else:
+            assert t.value > 0 and info["returncode"] == 0

@@ -106,6 +106,14 @@ def task(cfg: DictConfig) -> float:
     out_dir.mkdir(parents=True, exist_ok=True)
     argv, env = compose(cfg)
     log_path = out_dir / TRIAL_LOG
+    if cfg.get("validate_in_task"):  # a sweeper that cannot screen before launch drives us
+        from zenithtune.job import screen_params
+
+        problem = screen_params(cfg)
+        if problem:
+            (out_dir / TRIAL_INFO).write_text(json.dumps({"argv": argv, "env": env, "score": None,
+                                                          "failure": {"kind": "invalid_args", "reason": problem}}))
+            raise TrialFailure("invalid_args", f"not launched: {problem}")
     started = time.time()
     res = run(argv, log_path=log_path, timeout=_timeout(cfg), env=env,
               echo=(lambda line: print(line, flush=True)) if cfg.get("echo") else None)

@@ -116,7 +116,18 @@ def gpu_memory(cfg: DictConfig, command: list[str]) -> tuple[float, str]:
     return gpu_capacity_gb(None), "nvidia-smi or the 80 GB default"
 
 
-def build_job(cfg: DictConfig) -> Job:
+@dataclass
+class Setting:
+    """The job's fixed facts, checked: what both a study and a screened single trial need."""
+
+    command: list[str]
+    ctx: Context
+    space: Space
+    memory: Any  # zenithtune.memory.MemoryModel
+    memory_source: str
+
+
+def build_setting(cfg: DictConfig, *, quiet: bool = False) -> Setting:
     from zenithtune import modelinfo
     from zenithtune.memory import MemoryModel
     from zenithtune.run import command_problem
@@ -124,8 +135,7 @@ def build_job(cfg: DictConfig) -> Job:
     n_gpus = _positive_int(cfg, "n_gpus", "n_gpus=8 gbs=64")
     gbs = _positive_int(cfg, "gbs", "n_gpus=8 gbs=64")
     mbs_max = _positive_int(cfg, "mbs_max", "mbs_max=8")
-    n_trials = _positive_int(cfg, "n_trials", "n_trials=50")
-    del n_trials
+    _positive_int(cfg, "n_trials", "n_trials=50")
     if not mbs_values(mbs_max, gbs):
         raise UserError(f"gbs={gbs} is not divisible by any micro-batch size 1..{mbs_max}")
     command = wrapped_command(cfg)
@@ -137,7 +147,7 @@ def build_job(cfg: DictConfig) -> Job:
     from_cmd = modelinfo.from_argv(command)
     for key, value in explicit.items():
         theirs = getattr(from_cmd, key, None)
-        if theirs is not None and int(theirs) != int(value):
+        if not quiet and theirs is not None and int(theirs) != int(value):
             print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
                   f"the command's value is what the trainer will run with", file=sys.stderr)
     capacity, source = gpu_memory(cfg, command)
@@ -152,6 +162,29 @@ def build_job(cfg: DictConfig) -> Job:
     flash = find_option(command, "--attention-backend") not in ("unfused", "local")
     memory = MemoryModel(capacity, safety_margin=float(cfg.get("memory_safety_margin", 0.02)),
                          distributed_optimizer=ctx.distributed_optimizer, flash_attention=flash)
+    return Setting(command, ctx, space, memory, source)
+
+
+def screen_params(cfg: DictConfig) -> str | None:
+    """Why this config's params must not be launched (rules, predicted OOM), or None.
+
+    Used by the entry function when a sweeper that cannot screen before launch drives it
+    (the stock `hydra/sweeper=optuna` baseline): the trial then fails fast instead of running."""
+    st = build_setting(cfg, quiet=True)
+    cand = {str(k): v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
+    cand = st.space.normalize(cand)
+    broken = st.space.reasons(cand)
+    if broken:
+        return "; ".join(f"{rule}: {why}" for rule, why in broken)
+    return st.memory.predicted_oom(st.space.layout(cand), st.ctx.model,
+                                   distributed_optimizer=st.ctx.distributed_optimizer,
+                                   vit_checkpointing=st.space.vit_checkpointing(cand))
+
+
+def build_job(cfg: DictConfig) -> Job:
+    st = build_setting(cfg)
+    command, ctx, space, memory, source = st.command, st.ctx, st.space, st.memory, st.memory_source
+    n_gpus, gbs = ctx.n_gpus, ctx.gbs
     survey = Survey()
     valid = list(space.walk(survey))
     if not valid:

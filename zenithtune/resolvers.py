@@ -25,4 +25,11 @@ def _command(default: Any = None) -> Any:
 
 
 OmegaConf.register_resolver("zt.command", _command, replace=True, annotation_validation="off")
+def _mkdir(path: str) -> str:
+    """Create a folder (e.g. the sweep dir before a stock sweeper opens its sqlite file there)."""
+    os.makedirs(path, exist_ok=True)
+    return os.path.abspath(path)
+
+
+OmegaConf.register_resolver("zt.mkdir", _mkdir, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.python", lambda: sys.executable, replace=True, annotation_validation="off")

@@ -246,3 +246,12 @@ class Space:
                 cand[name] = trial.suggest_categorical(name, list(p.choices))
         return self.normalize(cand)
 
+
+
+def stock_search_space(cfg: Any, trial: Any) -> None:
+    """`custom_search_space` for the stock hydra-optuna-sweeper baseline (conf/baseline/stock_tpe.yaml):
+    the recompute method and layer count exist only under full recompute, which the stock sweeper's
+    flat `params` cannot express."""
+    if trial.params.get("params.recompute_granularity") == "full":
+        trial.suggest_categorical("params.recompute_method", ["uniform", "block"])
+        trial.suggest_categorical("params.recompute_num_layers", [1, 2, 4, 8])
