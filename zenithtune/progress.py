@@ -9,6 +9,7 @@ written. `TTY_INTERACTIVE=0` forces plain lines in a terminal too.
 """
 from __future__ import annotations
 
+import atexit
 import shlex
 import sys
 import time
@@ -81,8 +82,10 @@ class Progress(Callbacks):
                         TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                         console=self.console, transient=True, redirect_stdout=True, redirect_stderr=True,
                         speed_estimate_period=7 * 24 * 3600.0)  # trials take minutes: use every one for the ETA
-        self._task = self._bar.add_task("starting", total=self.total, completed=done, best="-", pruned=self.pruned)
+        self._task = self._bar.add_task("starting", total=self.total, completed=done,
+                                        best=f"{self.best:g}" if self.best is not None else "-", pruned=self.pruned)
         self._bar.start()
+        atexit.register(self.close)  # an error that ends the study must not leave the cursor hidden
 
     def close(self) -> None:
         """Take the progress bar down (the trial lines stay)."""
