@@ -243,7 +243,7 @@ def resume_command(url: str, task_overrides: Sequence[str], hydra_overrides: Seq
             args.append(a)
         return shlex.join(["zenithtune", *args, "--db-path", where]) + tail
     keep = [o for o in task_overrides if _key(o) != "storage"]
-    keep += [o for o in hydra_overrides if _key(o) not in ("hydra.searchpath", "hydra.sweep.dir")]
+    keep += [o for o in hydra_overrides if _key(o) not in ("hydra.searchpath", "hydra.sweep.dir", "hydra.mode")]
     return shlex.join(["python", "-m", "zenithtune", "-m", *keep, f"storage={hydra_quote(where)}"]) + tail
 
 

@@ -56,7 +56,7 @@ class StudyRunner:
                  f"evaluator wants to {job.evaluator.direction}: use a new storage")
         stale = zstudy.close_stale(study)
         prior = zstudy.history(study)
-        self._remember(study, job)
+        self._remember(study, job, url)
         n_trials = int(cfg.n_trials)
         progress = Progress(total=n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
         best = zstudy.best_trial(study)
@@ -73,11 +73,17 @@ class StudyRunner:
             raise SystemExit(130)
         return self._finish(study, job, url, sweep_dir, progress, why)
 
-    def _remember(self, study: Any, job: Job) -> None:
+    def _remember(self, study: Any, job: Job, url: str) -> None:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
         and the command as given (None = the config's default command)."""
         from hydra.core.hydra_config import HydraConfig
 
+        before = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
+        for key, now in (("n_gpus", job.ctx.n_gpus), ("gbs", job.ctx.gbs)):
+            if before.get(key) not in (None, now):  # its trials would not be comparable with these
+                fail(f"the study in {zstudy.db_path(url) or url} was made for {key}={before[key]}, this run says "
+                     f"{key}={now}: resume with "
+                     f"{key}={before[key]} or start a new study (another --db-path / storage)")
         choices = HydraConfig.get().runtime.choices
         study.set_user_attr(zstudy.STUDY_ATTR, {
             "overrides": list(self.arguments), "command": app.environ_command(),
