@@ -1,0 +1,260 @@
+"""The default strategy: deterministic, domain-guided best-first search that learns from every trial.
+
+How it chooses (each launch says which of these made it):
+
+1. The pool: every valid candidate (`Space.walk`, so any n_gpus, divisors included) minus what
+   domain knowledge rules out up front: TP beyond one node (its all-reduces would cross the
+   network), CP on sequences too short to hide the ring (fewer than `cp_min_tokens` per rank), and,
+   for full recompute with the uniform method, every chunk size but the one needing least memory
+   (uniform recomputes every layer whatever the chunk: the chunk only moves memory). If that leaves
+   nothing that fits, the rules are dropped rather than give up.
+2. A prior for each candidate: `_throughput.predict_tflops`, a coarse model of the iteration (TP
+   inside a node, EP all-to-alls and expert GEMM sizes, CP ring, PP bubble, recompute cost, ViT).
+   Memory comes from the study's memory model (the estimate, corrected by measured peaks and OOMs).
+3. First launch: the highest prior among candidates that fit with a wide margin (`first_fit`), to
+   calibrate both the prior and the memory model on something that surely runs.
+4. Then, best first: each candidate's prediction is its prior times the measured/prior ratio of its
+   nearest measured neighbour (same layout and recompute, same layout, same TP×PP, ...), with an
+   uncertainty that grows with the distance. Launch the candidate with the best optimistic
+   prediction if that could beat the best measured; a candidate is never launched when it is
+   predicted not to fit, was ruled out by an OOM (same layout, batch at least as large, memory at
+   least as large) or is dominated by measurements (a larger MBS or more recompute of the same
+   layout that already lost against a smaller one).
+5. Test, don't assume: before stopping, the best layout is measured with the other recompute
+   granularity too (full vs selective), since some trainers make full faster.
+6. Exhausted when nothing left could beat the best: ask() returns None.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from zenithtune.space import LAYOUT_PARAMS
+from zenithtune.strategies._base import Outcome, Proposal, Strategy
+from zenithtune.strategies._calibration import Residual
+from zenithtune.strategies._throughput import predict_tflops
+
+def _lay(c: dict) -> tuple:
+    return tuple(c.get(k) for k in LAYOUT_PARAMS)
+
+
+def _rec(c: dict) -> tuple:
+    g = c.get("recompute_granularity")
+    return (g, c.get("recompute_method")) if g == "full" else (g, None)
+
+
+class HeuristicStrategy(Strategy):
+    def __init__(self, first_fit: float = 0.85, fit: float = 1.0, fit_after_oom: float = 0.97, kappa: float = 1.0,
+                 cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True):
+        for name, v in (("first_fit", first_fit), ("fit", fit), ("fit_after_oom", fit_after_oom)):
+            if not 0 < v <= 1.5:
+                raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
+        self.first_fit = float(first_fit)  # predicted memory share the first launch may use
+        self.fit = float(fit)  # ... later launches (the estimate errs high once calibrated)
+        self.fit_after_oom = float(fit_after_oom)  # ... once a launch of this study ran out of memory
+        self.kappa = float(kappa)  # optimism: a candidate is worth a launch if prediction + kappa sd beats the best
+        self.cp_min_tokens = int(cp_min_tokens)
+        self.tp_within_node = bool(tp_within_node)
+        self.test_both_granularities = bool(test_both_granularities)
+
+    # --- the pool -----------------------------------------------------------------------------------
+    def setup(self, space, memory, history) -> None:
+        super().setup(space, memory, history)
+        ctx = space.ctx
+        valid = list(space.walk())
+        self._dropped: dict[str, int] = {}
+        pool = [c for c in valid if self._domain_ok(c)]
+        if not pool:
+            pool, self._dropped = valid, {"none left: domain rules dropped": len(valid)}
+        self._pool = self._one_uniform_chunk(pool)
+        self._keys = [space.key(c) for c in self._pool]
+        self._index = {k: i for i, k in enumerate(self._keys)}
+        self._prior = np.array([predict_tflops(c, model=ctx.model, n_gpus=ctx.n_gpus, gbs=ctx.gbs,
+                                               gpus_per_node=ctx.gpus_per_node) for c in self._pool])
+        self._residual = Residual(self._pool, gpus_per_node=ctx.gpus_per_node, n_gpus=ctx.n_gpus,
+                                  num_layers=ctx.model.num_layers or 32)
+
+    def _domain_ok(self, c: dict) -> bool:
+        ctx = self.space.ctx
+        why = None
+        if self.tp_within_node and c.get("tp", 1) > ctx.gpus_per_node:
+            why = "tp across nodes"
+        s = ctx.model.seq_length
+        if c.get("cp", 1) > 1 and s and s // c["cp"] < self.cp_min_tokens:
+            why = f"cp on a short sequence (< {self.cp_min_tokens} tokens per rank)"
+        if why:
+            self._dropped[why] = self._dropped.get(why, 0) + 1
+        return why is None
+
+    def _one_uniform_chunk(self, pool: list[dict]) -> list[dict]:
+        """Keep, per (layout, mbs, vit), only the uniform chunk size with the least estimated memory."""
+        best: dict[tuple, tuple[float, int]] = {}
+        for i, c in enumerate(pool):
+            if c.get("recompute_method") == "uniform":
+                k = (_lay(c), c.get("mbs"), c.get("vit_gradient_checkpointing"))
+                gb = self._estimate(c)
+                gb = gb if gb is not None else float(c.get("recompute_num_layers") or 1)
+                if k not in best or gb < best[k][0]:
+                    best[k] = (gb, i)
+        keep = {i for _, i in best.values()}
+        return [c for i, c in enumerate(pool) if c.get("recompute_method") != "uniform" or i in keep]
+
+    # --- memory -------------------------------------------------------------------------------------
+    def _estimate(self, c: dict) -> float | None:
+        """Raw (uncorrected) estimate, GB."""
+        if self.memory is None:
+            return None
+        from zenithtune.memory import estimate
+
+        ctx = self.space.ctx
+        est = estimate(self.space.layout(c), ctx.model, distributed_optimizer=ctx.distributed_optimizer,
+                       vit_checkpointing=self.space.vit_checkpointing(c))
+        return None if est is None else est.total_gb
+
+    def _share(self) -> float:
+        oom = any(o.launched and o.kind == "oom" for o in self.history)
+        return self.fit_after_oom if oom else self.fit
+
+    def _fits(self, c: dict, share: float) -> tuple[bool, str]:
+        if self.memory is None:
+            return True, "memory unknown"
+        lay, ctx = self.space.layout(c), self.space.ctx
+        kw = dict(distributed_optimizer=ctx.distributed_optimizer, vit_checkpointing=self.space.vit_checkpointing(c))
+        oom = self.memory.predicted_oom(lay, ctx.model, **kw)
+        if oom:
+            return False, oom
+        gb = self.memory.predict(lay, ctx.model, **kw)
+        if gb is None:
+            return True, "memory unknown"
+        cap = ctx.gpu_memory_gb
+        return gb <= share * cap, f"{gb:.0f}/{cap:g} GB"
+
+    # --- what the measurements say ------------------------------------------------------------------
+    def _speed(self, o: Outcome) -> float:
+        """Measured value as a rate (higher is better) comparable with the prior."""
+        v = float(o.value)  # type: ignore[arg-type]
+        return v if self.direction == "maximize" else 1.0 / max(v, 1e-12)
+
+    def _ruled_out(self, c: dict) -> str | None:
+        """Why measurements rule this candidate out, or None."""
+        lay, rec, mbs = _lay(c), _rec(c), c.get("mbs", 1)
+        for o in self.history:
+            oc = o.candidate
+            if not o.launched or _lay(oc) != lay:
+                continue
+            if o.state == "failed" and o.kind not in ("oom", None):
+                return f"layout failed in trial {o.trial_number} ({o.kind})"
+            if o.kind == "oom" and _rec(oc) == rec and mbs >= oc.get("mbs", 1) and \
+                    c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
+                    c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing"):
+                return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
+        # dominance along the ladders of one layout: a larger MBS (same recompute) or more block
+        # layers (same MBS) that already lost against a smaller one is not pushed further
+        runs = {self.space.key(o.candidate): o for o in self.history if o.ok and _lay(o.candidate) == lay}
+        same = [o for o in runs.values() if _rec(o.candidate) == rec]
+        for a in same:
+            for b in same:
+                ab, bb = a.candidate.get("mbs", 1), b.candidate.get("mbs", 1)
+                if ab < bb < mbs and a.candidate.get("recompute_num_layers") == b.candidate.get("recompute_num_layers") \
+                        and self._speed(b) < self._speed(a):
+                    return f"mbs {bb} already lost to mbs {ab} (trials {b.trial_number}, {a.trial_number})"
+                if rec[1] == "block" and ab == bb == mbs:
+                    an, bn = a.candidate.get("recompute_num_layers", 0), b.candidate.get("recompute_num_layers", 0)
+                    if an < bn < c.get("recompute_num_layers", 0) and self._speed(b) < self._speed(a):
+                        return f"recomputing {bn} layers already lost to {an} (trials {b.trial_number}, {a.trial_number})"
+        return None
+
+    # --- proposing ----------------------------------------------------------------------------------
+    def ask(self) -> Proposal | None:
+        tried = {self.space.key(o.candidate) for o in self.history}
+        ok = [o for o in self.history if o.ok]
+        if not ok:
+            return self._first(tried)
+        best = max(ok, key=self._speed)
+        target = self._speed(best)
+        measured = [(self._index[k], math.log(self._speed(o) / self._prior[self._index[k]]))
+                    for o in ok if (k := self.space.key(o.candidate)) in self._index]
+        at = np.array([i for i, k in enumerate(self._keys) if k not in tried], dtype=int)
+        if not len(at):
+            return None
+        mean, sd = self._residual.predict([i for i, _ in measured], [r for _, r in measured], at)
+        pred = self._prior[at] * np.exp(mean)
+        ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
+        for j in np.argsort(-ucb, kind="stable"):
+            if ucb[j] <= target:
+                break
+            cand = self._pool[at[j]]
+            if self._ruled_out(cand):
+                continue
+            fits, mem = self._fits(cand, self._share())
+            if not fits:
+                continue
+            return Proposal(dict(cand), why=f"{self._role(cand, best.candidate)}: predicted {pred[j]:.0f} "
+                            f"+-{100 * sd[j]:.0f}% (prior {self._prior[at[j]]:.0f} x {math.exp(mean[j]):.2f} learned "
+                            f"from {len(measured)} runs) could beat best {target:.0f}; {mem}")
+        return self._granularity_check(best, tried)
+
+    def _first(self, tried: set[tuple]) -> Proposal | None:
+        for i in np.argsort(-self._prior, kind="stable"):
+            cand = self._pool[i]
+            if self._keys[i] in tried or self._ruled_out(cand):
+                continue
+            fits, mem = self._fits(cand, self.first_fit)
+            if fits:
+                return Proposal(dict(cand), why=f"first run: highest prior ({self._prior[i]:.0f}) that surely fits "
+                                f"({mem}); {self._layout_note(cand)}")
+        return None
+
+    def _granularity_check(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
+        """Test, don't assume: the best layout is also measured with full recompute when it won without
+        it, and without full recompute when it won with it (some trainers make full the faster)."""
+        if not self.test_both_granularities:
+            return None
+        b = best.candidate
+        lay, full = _lay(b), b.get("recompute_granularity") == "full"
+        if any(_lay(o.candidate) == lay and (o.candidate.get("recompute_granularity") == "full") != full
+               for o in self.history if o.launched):
+            return None
+        options = [i for i, c in enumerate(self._pool) if self._keys[i] not in tried and _lay(c) == lay
+                   and (c.get("recompute_granularity") == "full") != full and c.get("mbs") == b.get("mbs")]
+        for i in sorted(options, key=lambda i: -self._prior[i]):
+            cand = self._pool[i]
+            if self._ruled_out(cand) or not self._fits(cand, self._share())[0]:
+                continue
+            return Proposal(dict(cand), why=f"test, don't assume: recompute {_rec_desc(cand)} on the best layout "
+                            f"(trial {best.trial_number} won with {_rec_desc(b)})")
+        return None
+
+    # --- one line of why ----------------------------------------------------------------------------
+    def _role(self, c: dict, best: dict) -> str:
+        if _lay(c) != _lay(best):
+            return f"layout {self._layout_note(c)}"
+        parts = []
+        if c.get("mbs") != best.get("mbs"):
+            parts.append(f"mbs {best.get('mbs')}->{c.get('mbs')}")
+        if _rec(c) != _rec(best) or c.get("recompute_num_layers") != best.get("recompute_num_layers"):
+            parts.append(f"recompute {_rec_desc(best)}->{_rec_desc(c)}")
+        if c.get("vit_gradient_checkpointing") != best.get("vit_gradient_checkpointing"):
+            parts.append(f"vit checkpointing {c.get('vit_gradient_checkpointing')}")
+        return "best layout, " + ", ".join(parts)
+
+    def _layout_note(self, c: dict) -> str:
+        ctx, m = self.space.ctx, self.space.ctx.model
+        notes = [" ".join(f"{k}={c[k]}" for k in LAYOUT_PARAMS if k in c)]
+        if c.get("tp", 1) > 1:
+            notes.append(f"tp{c['tp']} inside a node")
+        if c.get("pp", 1) > 1:
+            notes.append(f"pp{c['pp']} to fit" + (" / cross nodes" if ctx.n_gpus > ctx.gpus_per_node else ""))
+        if c.get("cp", 1) > 1:
+            notes.append(f"cp{c['cp']} for {m.seq_length} tokens")
+        if c.get("ep", 1) > 1:
+            notes.append(f"ep{c['ep']} spreads {m.num_experts} experts")
+        return ", ".join(notes)
+
+
+def _rec_desc(c: dict) -> str:
+    if c.get("recompute_granularity") != "full":
+        return str(c.get("recompute_granularity"))
+    return f"full/{c.get('recompute_method')}/{c.get('recompute_num_layers')}"

@@ -1,0 +1,191 @@
+"""What the heuristic believes about a candidate's speed before it runs: a coarse throughput prior.
+
+A back-of-the-envelope model of one training iteration, written from MEGATRON.md §Time model
+ingredients (not from the simulator, which the tuner must never read): the model FLOPs every GPU
+does, at a GEMM efficiency that falls for small per-GPU matrices, plus the communication each
+parallel dimension puts on the critical path, inside a pipeline with its bubble:
+
+* TP: 4 collectives of b·s·h per layer per micro-batch, on NVLink inside a node, on the network
+  across nodes (which is why TP stays inside a node);
+* CP: a ring of KV exchanges, hidden behind attention when the sequence is long enough;
+* EP: 4 all-to-alls of the routed tokens per MoE layer; more EP means fuller expert GEMMs;
+* PP: bubble (p−1)/m and small point-to-point sends; the slowest stage sets the pace;
+* DP: gradient reduce-scatter and parameter all-gather, hidden behind the last micro-batch's
+  backward and the first one's forward as far as they are long enough;
+* recompute: a recomputed layer runs its forward (and its TP forward traffic) twice;
+* a VLM's vision tower runs unsharded on the first pipeline stage.
+
+The absolute value is only roughly right; the heuristic calibrates it against measured trials and
+uses it to order candidates. Hardware defaults are an H100 node (989 TFLOP/s bf16, 450 GB/s NVLink,
+50 GB/s network per GPU); only their ratios matter for the ordering.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from zenithtune.modelinfo import ModelInfo
+
+PEAK_FLOPS = 989e12
+NVLINK_BYTES_S = 450e9
+NETWORK_BYTES_S = 50e9
+GEMM_HALF = 128.0  # a GEMM dimension this small halves the efficiency (eff = 1/(1 + Σ X/dim))
+ATTENTION_EFF = 0.65  # flash attention runs below GEMM efficiency
+GROUPED_GEMM_EFF = 0.9  # MoE grouped GEMMs run below a plain GEMM of the same shape
+LATENCY_S = 15e-6  # per collective
+TP_EXPOSED = 0.75  # share of TP traffic on the critical path (forward all of it, backward half)
+EP_EXPOSED = 0.9
+A2A_EFF = 0.6  # all-to-all reaches less of the link than a ring
+DP_MIN_EXPOSED = 0.12  # the last gradient bucket is never hidden
+SELECTIVE_EXTRA = 1 / 3  # selective recompute re-runs the attention core's forward (of its fwd+bwd)
+FULL_EXTRA = 1 / 3  # full recompute re-runs the whole layer's forward
+
+
+@dataclass(frozen=True)
+class Shape:
+    L: int
+    h: int
+    a: int
+    g: int
+    d: int
+    F: int
+    V: int
+    s: int
+    E: int
+    k: int
+    Fm: int
+    Fs: int
+    n_moe: int
+    glu: int  # 3 for SwiGLU, 2 for a plain MLP
+    vision_layers: int
+    vision_hidden: int
+    vision_ffn: int
+    vision_tokens: int
+
+    @classmethod
+    def of(cls, m: ModelInfo) -> Shape:
+        h = m.hidden_size or 4096
+        a = m.num_attention_heads or max(1, h // 128)
+        glu = m.swiglu is not False
+        F = m.ffn_hidden_size or (int(8 * h / 3 / 64) * 64 if glu else 4 * h)
+        L = m.num_layers or 32
+        E = (m.num_experts or 0) if m.is_moe else 0
+        s = m.seq_length or 4096
+        vh = (m.vision_hidden_size or 1280) if m.is_vlm else 0
+        return cls(L=L, h=h, a=a, g=m.num_query_groups or a, d=m.head_dim or h // a, F=F,
+                   V=m.vocab_size or 131072, s=s, E=E, k=(m.moe_router_topk or 2) if E else 0,
+                   Fm=(m.moe_ffn_hidden_size or F) if E else 0, Fs=(m.moe_shared_expert_size or 0) if E else 0,
+                   n_moe=-(-L // (m.moe_layer_freq or 1)) if E else 0, glu=3 if glu else 2,
+                   vision_layers=(m.vision_num_layers or 32) if m.is_vlm else 0, vision_hidden=vh,
+                   vision_ffn=(m.vision_ffn_hidden_size or 4 * vh) if m.is_vlm else 0,
+                   vision_tokens=(m.vision_seq_length or s) if m.is_vlm else 0)
+
+    def model_flops_per_token(self) -> float:
+        """Model FLOPs per token per iteration (MEGATRON.md §Model FLOPs; recompute not counted)."""
+        attn = 6 * self.h * self.d * (2 * self.a + 2 * self.g) + 6 * self.s * self.a * self.d
+        dense = 6 * self.glu * self.h * self.F
+        moe = 6 * self.glu * self.h * (self.Fm * self.k + self.Fs)
+        return self.L * attn + (self.L - self.n_moe) * dense + self.n_moe * moe + 6 * self.h * self.V
+
+
+def _eff(*dims: float) -> float:
+    return 1.0 / (1.0 + sum(GEMM_HALF / max(dim, 1.0) for dim in dims))
+
+
+def _ring(nbytes: float, size: int, bw: float) -> float:
+    return 0.0 if size <= 1 else nbytes * (size - 1) / size / bw + LATENCY_S
+
+
+def _a2a(nbytes: float, span: int, gpus_per_node: int) -> float:
+    """All-to-all over `span` consecutive ranks: the share sent to other nodes goes over the network."""
+    remote = max(0.0, (span - gpus_per_node) / span)
+    return max(nbytes * (1 - remote) / NVLINK_BYTES_S, nbytes * remote / NETWORK_BYTES_S) / A2A_EFF
+
+
+def predict_tflops(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
+                   gpus_per_node: int = 8) -> float:
+    """Believed TFLOP/s per GPU (model FLOPs) of one candidate; see the module docstring."""
+    x = Shape.of(model)
+    t, p, c = int(cand.get("tp", 1)), int(cand.get("pp", 1)), int(cand.get("cp", 1))
+    e = int(cand.get("ep", 1)) if x.E else 1
+    et = int(cand.get("etp") or t) if x.E else t
+    b = int(cand.get("mbs", 1))
+    d_ = max(1, n_gpus // (t * p * c))
+    m = max(1, gbs // (b * d_))
+    gran = cand.get("recompute_granularity")
+    method, nrec = cand.get("recompute_method"), int(cand.get("recompute_num_layers") or 1)
+    per_stage = max(1, x.L // p)
+    if gran == "full":
+        recomputed = per_stage if method == "uniform" else min(nrec, per_stage)
+    else:
+        recomputed = 0
+    frac = recomputed / per_stage
+
+    def bw(span: int) -> float:
+        return NVLINK_BYTES_S if span <= gpus_per_node else NETWORK_BYTES_S
+
+    tok = b * x.s / c  # tokens per rank per micro-batch
+    # --- one layer, forward + backward, one micro-batch ------------------------------------------
+    attn_lin = tok * 6 * x.h * x.d * (2 * x.a + 2 * x.g) / t / (PEAK_FLOPS * _eff(tok, x.h / t))
+    scores = tok * 6 * x.s * x.a * x.d / t / (PEAK_FLOPS * ATTENTION_EFF * _eff(tok, x.a * x.d / t))
+    dense_mlp = tok * 6 * x.glu * x.h * x.F / t / (PEAK_FLOPS * _eff(tok, x.F / t))
+    moe_mlp = 0.0
+    if x.E:
+        per_expert_tokens = tok * x.k * e * et / (t * x.E)
+        moe_mlp = (tok * x.k * 6 * x.glu * x.h * x.Fm / t
+                   / (PEAK_FLOPS * GROUPED_GEMM_EFF * _eff(per_expert_tokens, x.Fm / et, x.h)))
+        if x.Fs:
+            moe_mlp += tok * 6 * x.glu * x.h * x.Fs / t / (PEAK_FLOPS * _eff(tok, x.Fs / t))
+    # TP with SP: all-gather + reduce-scatter around attention and around the MLP, forward and backward
+    tp_half = 4 * _ring(2 * tok * x.h, t, bw(t)) * TP_EXPOSED  # attention's (or the dense MLP's) share
+    cp_comm = 0.0
+    if c > 1:
+        kv = 2 * 2 * tok * x.g * x.d / max(1, min(t, x.g))  # K and V, bf16
+        ring = 3 * (c - 1) * (kv / bw(t * c) + LATENCY_S)  # forward once, backward twice (dK, dV)
+        cp_comm = max(ring - 0.8 * scores, 0.1 * ring)
+    ep_comm = 0.0
+    if x.E and e > 1:
+        routed = 2 * tok / t * x.k * x.h  # bytes of this rank's routed token copies, bf16
+        ep_comm = 4 * (_a2a(routed * (e - 1) / e, e * et, gpus_per_node) + LATENCY_S) * EP_EXPOSED
+    if x.E and et > 1:  # expert TP gathers the routed token copies inside the ETP group (adjacent ranks)
+        ep_comm += 4 * _ring(2 * tok / t * x.k * x.h * et, et, bw(et)) * TP_EXPOSED
+
+    def layer(moe: bool) -> float:
+        compute = attn_lin + scores + (moe_mlp if moe else dense_mlp)
+        # a MoE layer's MLP trades TP traffic for the token dispatcher's (EP all-to-all, ETP gathers)
+        comm = tp_half + cp_comm + (ep_comm if moe else tp_half)
+        extra = frac * (FULL_EXTRA * compute + comm / 2)
+        if gran == "selective":
+            extra += SELECTIVE_EXTRA * scores
+        return compute + comm + extra
+
+    moe_share = x.n_moe / x.L
+    body = per_stage * ((1 - moe_share) * layer(False) + moe_share * layer(True))
+    logits = tok * 6 * x.h * x.V / t / (PEAK_FLOPS * _eff(tok, x.V / t)) + 2 * _ring(4 * tok * x.h, t, bw(t))
+    vision = 0.0
+    if x.vision_layers:
+        vt = b * x.vision_tokens
+        vflops = vt * 6 * x.vision_layers * (4 * x.vision_hidden ** 2 + 2 * x.vision_hidden * x.vision_ffn)
+        ckpt = cand.get("vit_gradient_checkpointing", True) is not False
+        vision = vflops / (PEAK_FLOPS * _eff(vt, x.vision_hidden)) * (1 + (FULL_EXTRA if ckpt else 0.0))
+    p2p = 0.0 if p == 1 else 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5
+    if p == 1:
+        stage = body + logits + vision
+    else:
+        stage = max(body + vision, body + logits) + p2p
+    pipeline = (m + p - 1) * stage
+
+    # --- once per iteration: gradient sync over data (and context) parallel ranks; experts over
+    # their own expert-data-parallel ranks (their gradients are most of a MoE model's) ------------
+    dense_params = x.L / p * (x.h * x.d * (2 * x.a + 2 * x.g) + (x.glu * x.h * x.F if not x.E else 0)) / t
+    expert_params = x.n_moe / p * x.E * x.glu * x.h * x.Fm / (e * et) if x.E else 0.0
+    edp = max(1, n_gpus // (e * et * p))
+    span = bw(n_gpus // p)
+    reduce = _ring(4 * dense_params, d_ * c, span) + _ring(4 * expert_params, edp, span)  # fp32 grads
+    gather = _ring(2 * dense_params, d_ * c, span) + _ring(2 * expert_params, edp, span)  # bf16 params
+    # the reduce-scatter hides behind the last micro-batch's backward, the all-gather behind the first's
+    # forward (--overlap-grad-reduce / --overlap-param-gather); a larger micro-batch hides more
+    dp_sync = (max(DP_MIN_EXPOSED * reduce, reduce - 0.9 * 2 / 3 * stage)
+               + max(DP_MIN_EXPOSED * gather, gather - 0.9 / 3 * stage))
+    iteration = pipeline + dp_sync
+    return gbs * x.s * x.model_flops_per_token() / (n_gpus * iteration) / 1e12
