@@ -168,7 +168,7 @@ class StudyLoop:
             return Outcome(state="complete", value=float(res.value), **common)
         reason = res.reason
         if res.kind == "timeout" and limit is not None and limit != _fixed_timeout(self.job):
-            reason += f" (dynamic limit {limit:.1f} s from the fastest successful trial)"
+            reason = f"cut at the dynamic limit {limit:.1f} s (from the fastest success): {reason}"
         trial.set_user_attr("kind", res.kind or "crash")
         trial.set_user_attr("reasons", [reason])
         self.study.tell(trial, state=TrialState.FAIL)

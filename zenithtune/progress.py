@@ -77,7 +77,7 @@ class Progress(Callbacks):
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, SpinnerColumn, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
 
-        self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
                         TextColumn("best {task.fields[best]}  pruned {task.fields[pruned]}"),
                         TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                         console=self.console, transient=True, redirect_stdout=True, redirect_stderr=True,
@@ -123,7 +123,7 @@ class Progress(Callbacks):
         self._why = why or self._why
         if self.interactive and self._bar is None:
             self._start_bar(done=n - 1)
-        self._update(description=f"trial {number} {describe(cand)}"[:60])
+        self._update(description=f"trial {number} {describe(cand)}"[:36])
 
     def result(self, o: Outcome, n: int) -> None:
         if o.ok:
