@@ -323,7 +323,7 @@ def test_timeout_dynamic_cuts_a_far_slower_trial(tmp_path):
     assert cut.user_attrs["timeout"] == pytest.approx(limit, abs=0.1)
     assert cut.user_attrs["duration"] < limit + 7  # SIGTERM, grace, gone: far below the 30 s it wanted
     assert "dynamic limit" in cut.user_attrs["reasons"][0]
-    assert re.search(r"\[2/3\] trial \d+ .* -> timeout: timed out after", r.stdout)
+    assert re.search(r"\[2/3\] trial \d+ .* -> timeout: cut at the dynamic limit [\d.]+ s", r.stdout)
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
