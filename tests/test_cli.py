@@ -357,7 +357,8 @@ def test_sigint_mid_trial_then_resume_completes_the_study(tmp_path):
             proc.kill()
     text = out.read_text()
     assert "interrupted" in text and "best: trial" in text, text[-3000:]
-    hint = text.splitlines()[text.splitlines().index(next(l for l in text.splitlines() if l.startswith("resume"))) + 1]
+    lines = text.splitlines()
+    hint = lines[next(i for i, line in enumerate(lines) if line.startswith("resume")) + 1]
     assert hint.strip().startswith("zenithtune optimize") and f"--db-path {db}" in hint
     before = load(db).get_trials()
     done_before = {t.number: (t.value, t.datetime_complete) for t in before if t.state == TrialState.COMPLETE}

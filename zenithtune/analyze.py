@@ -288,7 +288,7 @@ def analyze(db: str, study_name: str | None = None, plots: bool = True, show_all
     else:
         say(f"parameter importances over the complete trials ({why}):")
         for k, v in imp.items():
-            say(f"  {SHORT.get(k, k):>12s}  {v:5.2f}  {'#' * int(round(v * 40))}")
+            say(f"  {SHORT.get(k, k):>12s}  {v:5.2f}  {'#' * round(v * 40)}")
 
     if plots:
         path = zstudy.db_path(url)

@@ -45,8 +45,9 @@ class _Parser(argparse.ArgumentParser):
 
 # --- what conf/ offers ---------------------------------------------------------------------------
 def _group_names(group: str) -> list[str]:
-    names = {p.name[:-5] for p in resources.files("zenithtune.conf").joinpath(group).iterdir()
-             if p.name.endswith(".yaml")} if resources.files("zenithtune.conf").joinpath(group).is_dir() else set()
+    """Choices of a config group: ours (shipped in the package) and the user's ./conf/<group>/."""
+    ours = resources.files("zenithtune.conf").joinpath(group)
+    names = {p.name[:-5] for p in ours.iterdir() if p.name.endswith(".yaml")} if ours.is_dir() else set()
     local = Path.cwd() / "conf" / group
     if local.is_dir():
         names |= {p.stem for p in local.glob("*.yaml")}
@@ -270,7 +271,8 @@ the first trial (nothing succeeded yet) only has the fixed --timeout, if any.
 APPLY_EXAMPLES = """\
 examples:
   # the best trial of a study, on your real (longer) run
-  zenithtune apply --db-path outputs/qwen3/study.db -- torchrun --nproc-per-node 8 pretrain_gpt.py ... --train-iters 5000
+  zenithtune apply --db-path outputs/qwen3/study.db \\
+      -- torchrun --nproc-per-node 8 pretrain_gpt.py ... --train-iters 5000
   # a tuned config committed to git (conf/tuned/qwen3_8xh100.yaml in this folder)
   zenithtune apply --tuned qwen3_8xh100 -- torchrun --nproc-per-node 8 pretrain_gpt.py ...
   #   same as: python -m zenithtune tuned=qwen3_8xh100 -- torchrun ...
@@ -301,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("optimize", help="run a study (one trial per candidate) and write best.yaml",
                        formatter_class=_FMT, epilog=OPTIMIZE_EXAMPLES,
-                       description="Run a tuning study: propose, prune, launch, record; resume with the same --db-path.")
+                       description="Run a tuning study: propose, prune, launch, record; "
+                                   "resume with the same --db-path.")
     _add_shape(o)
     o.add_argument("--strategy", metavar="NAME",
                    help="heuristic (default), staged_blackbox (= megatron-staged-blackbox), grid, random, tpe, ...")
@@ -327,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("apply", help="run the command once with the best or a tuned configuration",
                        formatter_class=_FMT, epilog=APPLY_EXAMPLES,
-                       description="Run the training command once with a study's best or a tuned configuration injected.")
+                       description="Run the training command once with a study's best or a tuned "
+                                   "configuration injected.")
     src = a.add_mutually_exclusive_group(required=True)
     src.add_argument("--db-path", metavar="PATH", help="apply the best trial of this study (file, folder or URL)")
     src.add_argument("--tuned", metavar="NAME", help="apply conf/tuned/NAME.yaml (in this folder)")

@@ -74,11 +74,12 @@ class Progress(Callbacks):
             print(text, file=self.out, flush=True)
 
     def _start_bar(self, done: int) -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, SpinnerColumn, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+        from rich.progress import Progress as Bar
 
-        self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                        TextColumn("best {task.fields[best]}  pruned {task.fields[pruned]}"),
+        self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
+                        MofNCompleteColumn(), TextColumn("best {task.fields[best]}  pruned {task.fields[pruned]}"),
                         TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                         console=self.console, transient=True, redirect_stdout=True, redirect_stderr=True,
                         speed_estimate_period=7 * 24 * 3600.0)  # trials take minutes: use every one for the ETA
@@ -111,8 +112,11 @@ class Progress(Callbacks):
         self.line(f"  - {job.predicted_oom_count:6d} predicted to run out of memory (not launched)")
         self.line(f"  = {s.valid - job.predicted_oom_count} left to search; strategy "
                   f"{type(job.strategy).__name__}, n_trials={self.total}")
-        self.line(f"study: {url}" + (f" (resumed with {resumed} recorded trials; {used} of n_trials={self.total} "
-                                     f"used" + (f", best {best:g}" if best is not None else "") + ")" if resumed else ""))
+        resume = ""
+        if resumed:
+            resume = (f" (resumed with {resumed} recorded trials; {used} of n_trials={self.total} used"
+                      + (f", best {best:g}" if best is not None else "") + ")")
+        self.line(f"study: {url}{resume}")
         if stale:
             self.line(f"  trials {stale} were running when the tuner stopped: recorded as interrupted")
 
