@@ -85,10 +85,13 @@ class Job:
         cand = best.user_attrs.get("candidate") or dict(best.params)
         # The command as the user wrote it, with the tuned options taken out (they live in params).
         plain = inject(self.command, {o: None for o in self.space.options(cand)})
-        strategy = OmegaConf.select(self.cfg, "strategy._target_", default="?").rsplit(".", 1)[-1]
+        # The name the user selects (strategy=heuristic), not the class behind it.
+        strategy = (OmegaConf.select(self.cfg, "hydra.runtime.choices.strategy", default=None)
+                    or type(self.strategy).__name__)
+        model = self.cfg.get("model") or (self.ctx.model.name if self.ctx.model.name != "command" else None)
         return tuned_yaml(params=cand, n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs, score=best.value,
                           metric=self.evaluator.metric_name, trial=best.number, study=study,
-                          strategy=strategy, model=self.cfg.get("model") or self.ctx.model.name,
+                          strategy=strategy, model=model,
                           command=plain, name=name)
 
 
