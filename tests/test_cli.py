@@ -217,7 +217,7 @@ def test_optimize_writes_the_study_best_yaml_and_a_tuned_config(seed_study):
     assert tuned["params"] == best["params"] == study.best_trial.user_attrs["candidate"]
     assert (tuned["n_gpus"], tuned["gbs"]) == (8, 64)
     head = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    for fact in (f"{study.best_value:g} TFLOP/s/GPU", "n_gpus=8 gbs=64", "strategy Grid", str(db),
+    for fact in (f"{study.best_value:g} TFLOP/s/GPU", "n_gpus=8 gbs=64", "strategy grid", str(db),
                  "zenithtune.sim --num-layers=32", "tuned=llama8b_8xh100"):
         assert fact in head, fact
     assert "--tensor-model-parallel-size" not in head  # the command is stored without the injected options
