@@ -155,3 +155,33 @@ def test_stock_hydra_optuna_baseline_runs_and_wastes_trials_on_invalid_layouts(t
             assert info["failure"]["kind"] == "oom"  # a miss of the estimate, run and failed
         else:
             assert t.value > 0 and info["returncode"] == 0
+
+
+QWEN3_MOE_SIM = [sys.executable, "-m", "zenithtune.sim", "--num-layers", "48", "--hidden-size", "2048",
+                 "--ffn-hidden-size", "6144", "--num-attention-heads", "32", "--group-query-attention",
+                 "--num-query-groups", "4", "--kv-channels", "128", "--seq-length", "4096",
+                 "--max-position-embeddings", "4096", "--vocab-size", "151936", "--swiglu",
+                 "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-experts", "128",
+                 "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768", "--micro-batch-size", "1",
+                 "--global-batch-size", "64", "--train-iters", "6", "--bf16", "--use-distributed-optimizer",
+                 "--log-throughput", "--sim-gpu", "h100", "--sim-world-size", "16"]
+
+
+@pytest.mark.slow
+def test_moe_study_prunes_with_reasons_and_launches_nothing_the_estimate_flags(tmp_path):
+    fixture = REPO / "tests" / "fixtures" / "models" / "Qwen3-30B-A3B"
+    r = zt(tmp_path, "-m", "n_gpus=16", "gbs=64", f"model={fixture}", "strategy=random", "n_trials=6",
+           "--", *QWEN3_MOE_SIM)
+    assert r.returncode == 0, r.stderr
+    assert "128 experts top-8" in r.stdout  # the shape was understood
+    assert "predicted to run out of memory" in r.stdout
+    study = load(tmp_path)
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    launched = [t for t in study.trials if t.user_attrs.get("launched")]
+    assert len(launched) == 6 and pruned
+    assert all(t.user_attrs["reasons"] and t.user_attrs["rules"] for t in pruned)
+    assert any("predicted_oom" in t.user_attrs["rules"] for t in pruned)
+    for t in launched:
+        # the estimate never flagged what was launched, and EP/ETP were injected for the MoE model
+        assert t.user_attrs["predicted_gb"] <= 79.1 * 1.02
+        assert "--expert-model-parallel-size" in t.user_attrs["argv"]

@@ -17,9 +17,9 @@ from zenithtune.inject import find_option
 from zenithtune.space import Context, Space, Survey, mbs_values
 from zenithtune.strategies import Outcome, Strategy
 
-# Memory of the GPUs the built-in simulator can play (`--sim-gpu`), so a simulated study needs no
-# gpu_memory_gb.
-SIM_GPU_MEMORY_GB = {"h100": 80.0, "h200": 141.0, "a100-80g": 80.0, "a100-40g": 40.0}
+# Memory of the GPUs the built-in simulator can play (`--sim-gpu`), as PyTorch reports it (GiB), so a
+# simulated study needs no gpu_memory_gb.
+SIM_GPU_MEMORY_GB = {"h100": 79.1, "h200": 139.7, "a100-80g": 79.2, "a100-40g": 39.4}
 
 
 @dataclass
