@@ -107,7 +107,10 @@ class StudyLoop:
         if fixed:
             self.study.enqueue_trial(fixed, skip_if_exists=False)
         trial = self.study.ask()
-        cand = space.suggest(trial)
+        names = None if proposal.sample is None else tuple(proposal.sample) + tuple(fixed)
+        cand = space.suggest(trial, names=names)
+        if proposal.complete is not None:
+            cand = space.normalize({**proposal.complete(dict(cand)), **cand})
         trial.set_user_attr("candidate", cand)
         if proposal.stage:
             trial.set_user_attr("stage", proposal.stage)

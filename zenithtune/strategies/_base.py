@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:
     import optuna
@@ -33,6 +33,11 @@ class Proposal:
     fixed: dict[str, Any]  # parameters the strategy chose; the rest are sampled
     why: str = ""  # one line shown with the launch ("largest TP inside a node, ...")
     stage: str | None = None  # staged strategies: which stage proposed it
+    # Only these parameters go to the sampler (None: every one not fixed); `complete` then fills the
+    # rest from what was sampled (staged_blackbox: TPE picks the layout, the strategy its safe settings).
+    # Parameters it fills are not Optuna params of the trial, so they never bias the sampler.
+    sample: tuple[str, ...] | None = None
+    complete: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass
