@@ -41,12 +41,16 @@ class TPEStrategy(Strategy):
         return Proposal({}, why="tpe")
 
 
+_RECOMPUTE = {"selective": {"recompute_granularity": "selective"},
+              "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+
+
 class UpstreamStrategy(Strategy):
     """The seed's heuristic, as documented (MEGATRON.md §Upstream ZenithTune):
 
     stage 1: TP descending x EP ascending at MBS 1 (selective recompute), PP = CP = ETP = 1;
     stage 2: per TP that ran, an MBS ladder with `selective`, then with `full` (uniform, 1 layer),
-    each ladder stopped at its first failure. Powers of two only. Upstream's own layout check is
+    each ladder stopped at its first failure. VLMs: `full` (uniform) only, as upstream. Powers of two only. Upstream's own layout check is
     kept, bug included: it takes DP = N/(tp·ep·etp) and so skips valid MoE layouts such as TP2·EP8 on
     8 GPUs. TP is capped at gpus_per_node (upstream tuned one node at a time)."""
 
@@ -83,12 +87,13 @@ class UpstreamStrategy(Strategy):
         base: dict = {"pp": 1, "cp": 1}
         if self.space.ctx.model.is_vlm:
             base["vit_gradient_checkpointing"] = True
+        grans = ("full",) if self.space.ctx.model.is_vlm else ("selective", "full")
         best_ep: dict[int, int] = {}
         for tp in tps:
             for ep in eps:
                 if not self._upstream_ok(tp, ep, 1):
                     continue
-                cand = {**base, "tp": tp, "mbs": 1, "recompute_granularity": "selective"}
+                cand = {**base, "tp": tp, "mbs": 1, **_RECOMPUTE[grans[0]]}
                 if moe:
                     cand.update(ep=ep, etp=1)
                 yield Proposal(cand, why=f"upstream stage 1: tp={tp} (descending) x ep={ep} (ascending), mbs 1",
@@ -102,16 +107,14 @@ class UpstreamStrategy(Strategy):
             if tp not in best_ep:
                 continue
             ep = best_ep[tp]
-            for gran in ("selective", "full"):
+            for gran in grans:
                 for mbs in self.mbs_ladder:
                     if mbs not in self.space.params["mbs"].choices or not self._upstream_ok(tp, ep, mbs):
                         break
-                    cand = {**base, "tp": tp, "mbs": mbs, "recompute_granularity": gran}
-                    if gran == "full":
-                        cand.update(recompute_method="uniform", recompute_num_layers=1)
+                    cand = {**base, "tp": tp, "mbs": mbs, **_RECOMPUTE[gran]}
                     if moe:
                         cand.update(ep=ep, etp=1)
-                    if gran == "selective" and mbs == 1 and self.tried(cand):
+                    if mbs == 1 and gran == grans[0] and self.tried(cand):
                         continue
                     yield Proposal(cand, why=f"upstream stage 2: tp={tp} {gran} MBS ladder, mbs {mbs}",
                                    stage="upstream-2")

@@ -6,12 +6,18 @@ much a larger micro-batch really helps. The residual r(c) = log(measured / prior
 
     r(c) = b + Σ_f w_f·φ_f(c) + u_layout(c) + noise
 
-with an unknown level b (broad prior), a small linear effect per feature (log2 of each parallel
-size and of the micro-batch, one-hots for the recompute mode and ViT checkpointing, flags for
-groups that leave a node) and a small per-layout offset. That is a Gaussian process with an additive
-kernel; with the handful of trials a study has, the exact posterior costs a few milliseconds.
-What one measurement teaches spreads to every candidate sharing its features, strongest to those
-sharing its layout; a candidate far from everything measured keeps a wide uncertainty.
+with an unknown level b, a small linear effect per feature (log2 of each parallel size and of the
+micro-batch, one-hots for the recompute mode and ViT checkpointing, flags for groups that leave a
+node) and a small per-layout offset. That is a Gaussian process with an additive kernel; with the
+handful of trials a study has, the exact posterior costs a few milliseconds. What one measurement
+teaches spreads to every candidate sharing its features, strongest to those sharing its layout; a
+candidate far from everything measured keeps a wide uncertainty.
+
+How much to trust the prior's fine structure is itself learned (empirical Bayes): the feature and
+layout scales are multiplied by the factor in TRUST_SCALES that best explains the measurements
+(largest marginal likelihood). Measurements that agree with the prior keep the uncertainty tight
+and the study short; measurements far off the prior (a cluster unlike the model) widen it, so the
+heuristic explores instead of trusting a prior that has just been shown wrong.
 """
 from __future__ import annotations
 
@@ -22,11 +28,12 @@ import numpy as np
 
 from zenithtune.space import LAYOUT_PARAMS
 
-LEVEL_SD = 1.0  # the prior's absolute level is unknown (log scale)
+LEVEL_SD = 0.3  # the prior's absolute level (log scale): it already includes a typical efficiency
 SIZE_SD = 0.05  # per doubling of a parallel size or the micro-batch
 MODE_SD = 0.04  # per recompute mode / ViT checkpointing value / crossing flag
 LAYOUT_SD = 0.03  # per layout
 NOISE_SD = 0.01  # measurement noise and what the features cannot explain
+TRUST_SCALES = (1.0, 2.0, 4.0)  # candidate multipliers of the feature/layout scales (empirical Bayes)
 _MODES = ("none", "selective", "full/uniform", "full/block")
 
 
@@ -59,25 +66,37 @@ class Residual:
                               for c in cands], dtype=int)
         self._w = _SD ** 2
 
-    def _k(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Kernel between candidates (indices) i and j."""
+    def _k(self, i: np.ndarray, j: np.ndarray, scale: float) -> np.ndarray:
+        """Kernel between candidates (indices) i and j, feature/layout variances times scale**2."""
         lin = (self._phi[i] * self._w) @ self._phi[j].T
         same = (self._lay[i][:, None] == self._lay[j][None, :]).astype(float)
-        return LEVEL_SD ** 2 + lin + LAYOUT_SD ** 2 * same
+        return LEVEL_SD ** 2 + scale ** 2 * (lin + LAYOUT_SD ** 2 * same)
+
+    def _fit(self, m: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """(scale, Cholesky factor, alpha) for the scale with the largest marginal likelihood."""
+        best = None
+        for scale in TRUST_SCALES:
+            K = self._k(m, m, scale) + NOISE_SD ** 2 * np.eye(len(m))
+            L = np.linalg.cholesky(K)
+            alpha = np.linalg.solve(L.T, np.linalg.solve(L, y))
+            loglik = -0.5 * float(y @ alpha) - float(np.log(np.diag(L)).sum())
+            if best is None or loglik > best[0] + 1e-9:
+                best = (loglik, scale, L, alpha)
+        assert best is not None
+        return best[1], best[2], best[3]
 
     def predict(self, measured: Sequence[int], values: Sequence[float],
-                at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(mean, sd) of r at candidate indices `at`, given r(measured[i]) = values[i]."""
-        diag = LEVEL_SD ** 2 + (self._phi[at] ** 2 * self._w).sum(axis=1) + LAYOUT_SD ** 2
+                at: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """(mean, sd, trust scale) of r at candidate indices `at`, given r(measured[i]) = values[i]."""
         if not len(measured):
-            return np.zeros(len(at)), np.sqrt(diag)
+            diag = LEVEL_SD ** 2 + (self._phi[at] ** 2 * self._w).sum(axis=1) + LAYOUT_SD ** 2
+            return np.zeros(len(at)), np.sqrt(diag), 1.0
         m = np.asarray(measured, dtype=int)
         y = np.asarray(values, dtype=float)
-        K = self._k(m, m) + NOISE_SD ** 2 * np.eye(len(m))
-        L = np.linalg.cholesky(K)
-        alpha = np.linalg.solve(L.T, np.linalg.solve(L, y))
-        Ks = self._k(at, m)
+        scale, L, alpha = self._fit(m, y)
+        diag = LEVEL_SD ** 2 + scale ** 2 * ((self._phi[at] ** 2 * self._w).sum(axis=1) + LAYOUT_SD ** 2)
+        Ks = self._k(at, m, scale)
         v = np.linalg.solve(L, Ks.T)
         mean = Ks @ alpha
         var = np.maximum(diag - (v ** 2).sum(axis=0), 1e-12)
-        return mean, np.sqrt(var)
+        return mean, np.sqrt(var), scale

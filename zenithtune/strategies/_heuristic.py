@@ -27,7 +27,6 @@ How it chooses (each launch says which of these made it):
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
@@ -46,14 +45,13 @@ def _rec(c: dict) -> tuple:
 
 
 class HeuristicStrategy(Strategy):
-    def __init__(self, first_fit: float = 0.85, fit: float = 1.0, fit_after_oom: float = 0.97, kappa: float = 1.0,
+    def __init__(self, first_fit: float = 0.85, fit: float = 1.0, kappa: float = 1.0,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True):
-        for name, v in (("first_fit", first_fit), ("fit", fit), ("fit_after_oom", fit_after_oom)):
+        for name, v in (("first_fit", first_fit), ("fit", fit)):
             if not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
         self.first_fit = float(first_fit)  # predicted memory share the first launch may use
         self.fit = float(fit)  # ... later launches (the estimate errs high once calibrated)
-        self.fit_after_oom = float(fit_after_oom)  # ... once a launch of this study ran out of memory
         self.kappa = float(kappa)  # optimism: a candidate is worth a launch if prediction + kappa sd beats the best
         self.cp_min_tokens = int(cp_min_tokens)
         self.tp_within_node = bool(tp_within_node)
@@ -113,10 +111,6 @@ class HeuristicStrategy(Strategy):
                        vit_checkpointing=self.space.vit_checkpointing(c))
         return None if est is None else est.total_gb
 
-    def _share(self) -> float:
-        oom = any(o.launched and o.kind == "oom" for o in self.history)
-        return self.fit_after_oom if oom else self.fit
-
     def _fits(self, c: dict, share: float) -> tuple[bool, str]:
         if self.memory is None:
             return True, "memory unknown"
@@ -129,7 +123,20 @@ class HeuristicStrategy(Strategy):
         if gb is None:
             return True, "memory unknown"
         cap = ctx.gpu_memory_gb
-        return gb <= share * cap, f"{gb:.0f}/{cap:g} GB"
+        if gb > share * cap:
+            return False, f"{gb:.0f}/{cap:g} GB"
+        # After an OOM the estimate has been shown optimistic somewhere between the largest run that fit
+        # and the smallest that did not: beyond the former only halfway, and after a second OOM not at
+        # all (halving on while nothing has fit yet).
+        ooms = [o for o in self.history if o.launched and o.kind == "oom"]
+        if ooms:
+            raw = self._estimate(c) or 0.0
+            fit = max((self._estimate(o.candidate) or 0.0 for o in self.history if o.ok), default=None)
+            bad = min(self._estimate(o.candidate) or 0.0 for o in ooms)
+            allowed = fit if fit is not None and len(ooms) > 1 else (fit or 0.0) + (bad - (fit or 0.0)) / 2
+            if raw > allowed:
+                return False, f"{raw:.0f} GB estimated, above {allowed:.0f} GB after {len(ooms)} OOM"
+        return True, f"{gb:.0f}/{cap:g} GB"
 
     # --- what the measurements say ------------------------------------------------------------------
     def _speed(self, o: Outcome) -> float:
@@ -179,7 +186,7 @@ class HeuristicStrategy(Strategy):
         at = np.array([i for i, k in enumerate(self._keys) if k not in tried], dtype=int)
         if not len(at):
             return None
-        mean, sd = self._residual.predict([i for i, _ in measured], [r for _, r in measured], at)
+        mean, sd, trust = self._residual.predict([i for i, _ in measured], [r for _, r in measured], at)
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         for j in np.argsort(-ucb, kind="stable"):
@@ -188,12 +195,13 @@ class HeuristicStrategy(Strategy):
             cand = self._pool[at[j]]
             if self._ruled_out(cand):
                 continue
-            fits, mem = self._fits(cand, self._share())
+            fits, mem = self._fits(cand, self.fit)
             if not fits:
                 continue
             return Proposal(dict(cand), why=f"{self._role(cand, best.candidate)}: predicted {pred[j]:.0f} "
                             f"+-{100 * sd[j]:.0f}% (prior {self._prior[at[j]]:.0f} x {math.exp(mean[j]):.2f} learned "
-                            f"from {len(measured)} runs) could beat best {target:.0f}; {mem}")
+                            f"from {len(measured)} runs{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best "
+                            f"{target:.0f}; {mem}")
         return self._granularity_check(best, tried)
 
     def _first(self, tried: set[tuple]) -> Proposal | None:
@@ -221,7 +229,7 @@ class HeuristicStrategy(Strategy):
                    and (c.get("recompute_granularity") == "full") != full and c.get("mbs") == b.get("mbs")]
         for i in sorted(options, key=lambda i: -self._prior[i]):
             cand = self._pool[i]
-            if self._ruled_out(cand) or not self._fits(cand, self._share())[0]:
+            if self._ruled_out(cand) or not self._fits(cand, self.fit)[0]:
                 continue
             return Proposal(dict(cand), why=f"test, don't assume: recompute {_rec_desc(cand)} on the best layout "
                             f"(trial {best.trial_number} won with {_rec_desc(b)})")

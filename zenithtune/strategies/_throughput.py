@@ -27,6 +27,9 @@ from typing import Any, Mapping
 from zenithtune.modelinfo import ModelInfo
 
 PEAK_FLOPS = 989e12
+# What real runs reach of this model's ideal: kernels below roofline, launch gaps, stragglers, the
+# optimizer step. Only the level of the prior; each study learns its own (see _calibration).
+TYPICAL_EFFICIENCY = 0.65
 NVLINK_BYTES_S = 450e9
 NETWORK_BYTES_S = 50e9
 GEMM_HALF = 128.0  # a GEMM dimension this small halves the efficiency (eff = 1/(1 + Σ X/dim))
@@ -188,4 +191,4 @@ def predict_tflops(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gb
     dp_sync = (max(DP_MIN_EXPOSED * reduce, reduce - 0.9 * 2 / 3 * stage)
                + max(DP_MIN_EXPOSED * gather, gather - 0.9 / 3 * stage))
     iteration = pipeline + dp_sync
-    return gbs * x.s * x.model_flops_per_token() / (n_gpus * iteration) / 1e12
+    return TYPICAL_EFFICIENCY * gbs * x.s * x.model_flops_per_token() / (n_gpus * iteration) / 1e12
