@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -156,7 +157,7 @@ def single_run(cfg: DictConfig) -> int:
     argv, env = compose(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print("zenithtune: running " + " ".join(argv), flush=True)
+    print("zenithtune: running " + shlex.join(argv), flush=True)
     for k, v in env.items():
         print(f"zenithtune: with {k}={v}", flush=True)
     res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=_timeout(cfg), env=env,

@@ -77,6 +77,12 @@ class Job:
                   float(self.cfg.get("timeout_dynamic_factor", 3.0)) * min(self.durations))
         return min(dyn, fixed) if fixed else dyn
 
+    @property
+    def strategy_name(self) -> str:
+        """The name the user selects (strategy=heuristic), not the class behind it."""
+        return (OmegaConf.select(self.cfg, "hydra.runtime.choices.strategy", default=None)
+                or type(self.strategy).__name__)
+
     # --- results -----------------------------------------------------------------------------------
     def tuned_yaml(self, best: Any, study: str, name: str | None) -> str:
         from zenithtune.inject import inject
@@ -85,9 +91,7 @@ class Job:
         cand = best.user_attrs.get("candidate") or dict(best.params)
         # The command as the user wrote it, with the tuned options taken out (they live in params).
         plain = inject(self.command, {o: None for o in self.space.options(cand)})
-        # The name the user selects (strategy=heuristic), not the class behind it.
-        strategy = (OmegaConf.select(self.cfg, "hydra.runtime.choices.strategy", default=None)
-                    or type(self.strategy).__name__)
+        strategy = self.strategy_name
         model = self.cfg.get("model") or (self.ctx.model.name if self.ctx.model.name != "command" else None)
         return tuned_yaml(params=cand, n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs, score=best.value,
                           metric=self.evaluator.metric_name, trial=best.number, study=study,

@@ -111,7 +111,7 @@ class Progress(Callbacks):
             self.line(f"  - {n:6d} removed by {rule}: e.g. {s.reasons[rule]}")
         self.line(f"  - {job.predicted_oom_count:6d} predicted to run out of memory (not launched)")
         self.line(f"  = {s.valid - job.predicted_oom_count} left to search; strategy "
-                  f"{type(job.strategy).__name__}, n_trials={self.total}")
+                  f"{job.strategy_name}, n_trials={self.total}")
         resume = ""
         if resumed:
             resume = (f" (resumed with {resumed} recorded trials; {used} of n_trials={self.total} used"
