@@ -45,13 +45,14 @@ def _rec(c: dict) -> tuple:
 
 
 class HeuristicStrategy(Strategy):
-    def __init__(self, first_fit: float = 0.85, fit: float = 1.0, kappa: float = 1.0,
+    def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
-            if not 0 < v <= 1.5:
+            if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
         self.first_fit = float(first_fit)  # predicted memory share the first launch may use
-        self.fit = float(fit)  # ... later launches (the estimate errs high once calibrated)
+        # ... later launches; None: whatever the study's memory model does not screen out
+        self.fit = None if fit is None else float(fit)
         self.kappa = float(kappa)  # optimism: a candidate is worth a launch if prediction + kappa sd beats the best
         self.cp_min_tokens = int(cp_min_tokens)
         self.tp_within_node = bool(tp_within_node)
@@ -111,7 +112,7 @@ class HeuristicStrategy(Strategy):
                        vit_checkpointing=self.space.vit_checkpointing(c))
         return None if est is None else est.total_gb
 
-    def _fits(self, c: dict, share: float) -> tuple[bool, str]:
+    def _fits(self, c: dict, share: float | None) -> tuple[bool, str]:
         if self.memory is None:
             return True, "memory unknown"
         lay, ctx = self.space.layout(c), self.space.ctx
@@ -123,7 +124,7 @@ class HeuristicStrategy(Strategy):
         if gb is None:
             return True, "memory unknown"
         cap = ctx.gpu_memory_gb
-        if gb > share * cap:
+        if share is not None and gb > share * cap:
             return False, f"{gb:.0f}/{cap:g} GB"
         # After an OOM the estimate has been shown optimistic somewhere between the largest run that fit
         # and the smallest that did not: beyond the former only halfway, and after a second OOM not at
