@@ -3,25 +3,27 @@
 How it chooses (each launch says which of these made it):
 
 1. The pool: every valid candidate (`Space.walk`, so any n_gpus, divisors included) minus what
-   domain knowledge rules out up front: TP beyond one node (its all-reduces would cross the
+   domain knowledge rules out up front: TP beyond one node (its collectives would cross the
    network), CP on sequences too short to hide the ring (fewer than `cp_min_tokens` per rank), and,
    for full recompute with the uniform method, every chunk size but the one needing least memory
-   (uniform recomputes every layer whatever the chunk: the chunk only moves memory). If that leaves
-   nothing that fits, the rules are dropped rather than give up.
+   (uniform recomputes every layer whatever the chunk: the chunk only moves memory). If nothing left
+   would fit in memory, the rules are dropped rather than give up.
 2. A prior for each candidate: `_throughput.predict_tflops`, a coarse model of the iteration (TP
    inside a node, EP all-to-alls and expert GEMM sizes, CP ring, PP bubble, recompute cost, ViT).
    Memory comes from the study's memory model (the estimate, corrected by measured peaks and OOMs).
 3. First launch: the highest prior among candidates that fit with a wide margin (`first_fit`), to
    calibrate both the prior and the memory model on something that surely runs.
-4. Then, best first: each candidate's prediction is its prior times the measured/prior ratio of its
-   nearest measured neighbour (same layout and recompute, same layout, same TP×PP, ...), with an
-   uncertainty that grows with the distance. Launch the candidate with the best optimistic
-   prediction if that could beat the best measured; a candidate is never launched when it is
-   predicted not to fit, was ruled out by an OOM (same layout, batch at least as large, memory at
-   least as large) or is dominated by measurements (a larger MBS or more recompute of the same
-   layout that already lost against a smaller one).
-5. Test, don't assume: before stopping, the best layout is measured with the other recompute
-   granularity too (full vs selective), since some trainers make full faster.
+4. Then, best first: each candidate's prediction is its prior times a correction learned from every
+   measured trial (`_calibration.Residual`, a small Gaussian process over the parallel sizes, MBS,
+   recompute mode and per layout), with an uncertainty that grows with the distance to what was
+   measured. Launch the candidate with the best optimistic prediction (+ `kappa` sd) while it could
+   beat the best measured. Never launched: what the memory model screens (or `fit` excludes); the
+   same layout and recompute at an MBS at least as large as one that ran out of memory; after an
+   OOM, more than halfway from the largest run that fit toward it (after two, nothing past that
+   run); a larger MBS or more recomputed layers of a layout that already lost to a smaller one; a
+   layout that crashed.
+5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
+   without it, and without if it won with it, since some trainers make full the faster.
 6. Exhausted when nothing left could beat the best: ask() returns None.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._throughput import predict_tflops
+
 
 def _lay(c: dict) -> tuple:
     return tuple(c.get(k) for k in LAYOUT_PARAMS)
@@ -65,8 +68,8 @@ class HeuristicStrategy(Strategy):
         valid = list(space.walk())
         self._dropped: dict[str, int] = {}
         pool = [c for c in valid if self._domain_ok(c)]
-        if not pool:
-            pool, self._dropped = valid, {"none left: domain rules dropped": len(valid)}
+        if not any(self._fits(c, None)[0] for c in pool):  # e.g. a model only TP across nodes can hold
+            pool, self._dropped = valid, {"nothing left fits: domain rules dropped": len(valid)}
         self._pool = self._one_uniform_chunk(pool)
         self._keys = [space.key(c) for c in self._pool]
         self._index = {k: i for i, k in enumerate(self._keys)}
