@@ -214,3 +214,32 @@ def test_strategy_options_are_checked():
         StagedBlackboxStrategy(stage1_trials=0)
     with pytest.raises(ValueError, match="first_fit=0"):
         HeuristicStrategy(first_fit=0)
+
+
+def test_heuristic_measures_full_recompute_where_it_wins():
+    # the toy trainer makes full recompute faster than selective (as upstream's fake trainer did): a
+    # tuner that assumed selective is cheaper would never find its optimum
+    import subprocess
+    from pathlib import Path
+
+    toy = str(Path(__file__).parent / "fixtures" / "toy_trainer.py")
+    with initialize_config_module("zenithtune.conf", version_base=None):
+        cfg = compose("config", overrides=["n_gpus=8", "gbs=8", "strategy=heuristic", "mbs_max=4"])
+    with open_dict(cfg):
+        cfg.command = [sys.executable, toy, "--some-user-opt", "1", "--num-layers", "8"]
+    job = build_job(cfg)
+
+    def launch(number: int, cand: dict, timeout: float | None) -> Launched:
+        out = subprocess.run(inject(job.command, job.space.options(cand)), capture_output=True, text=True,
+                             check=True).stdout
+        return Launched(job.evaluator.evaluate(out), duration=0.1)
+
+    st = optuna.create_study(direction="maximize", sampler=job.strategy.sampler())
+    loop = StudyLoop(job, st, launch)
+    loop.start([])
+    assert loop.run(30) == "strategy exhausted"
+    runs = launched(loop)
+    best = max((o for o in runs if o.ok), key=lambda o: o.value)
+    assert best.candidate["recompute_granularity"] == "full"
+    assert {o.candidate["recompute_granularity"] for o in runs} >= {"full", "selective"} or \
+        {o.candidate["recompute_granularity"] for o in runs} >= {"full", "none"}

@@ -17,7 +17,7 @@ How it chooses (each launch says which of these made it):
    measured trial (`_calibration.Residual`, a small Gaussian process over the parallel sizes, MBS,
    recompute mode and per layout), with an uncertainty that grows with the distance to what was
    measured. Launch the candidate with the best optimistic prediction (+ `kappa` sd) while it could
-   beat the best measured. Never launched: what the memory model screens (or `fit` excludes); the
+   beat the best measured by `min_gain`. Never launched: what the memory model screens (or `fit` excludes); the
    same layout and recompute at an MBS at least as large as one that ran out of memory; after an
    OOM, more than halfway from the largest run that fit toward it (after two, nothing past that
    run); a larger MBS or more recomputed layers of a layout that already lost to a smaller one; a
@@ -48,7 +48,7 @@ def _rec(c: dict) -> tuple:
 
 
 class HeuristicStrategy(Strategy):
-    def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0,
+    def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
@@ -56,6 +56,9 @@ class HeuristicStrategy(Strategy):
         self.first_fit = float(first_fit)  # predicted memory share the first launch may use
         # ... later launches; None: whatever the study's memory model does not screen out
         self.fit = None if fit is None else float(fit)
+        if not 0 <= min_gain < 1:
+            raise ValueError(f"min_gain={min_gain} must be in [0, 1) (0.01: a launch must promise 1 % more)")
+        self.min_gain = float(min_gain)  # a launch must promise at least this much over the best
         self.kappa = float(kappa)  # optimism: a candidate is worth a launch if prediction + kappa sd beats the best
         self.cp_min_tokens = int(cp_min_tokens)
         self.tp_within_node = bool(tp_within_node)
@@ -194,7 +197,7 @@ class HeuristicStrategy(Strategy):
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         for j in np.argsort(-ucb, kind="stable"):
-            if ucb[j] <= target:
+            if ucb[j] <= target * (1 + self.min_gain):
                 break
             cand = self._pool[at[j]]
             if self._ruled_out(cand):
@@ -260,7 +263,7 @@ class HeuristicStrategy(Strategy):
         if c.get("pp", 1) > 1:
             notes.append(f"pp{c['pp']} to fit" + (" / cross nodes" if ctx.n_gpus > ctx.gpus_per_node else ""))
         if c.get("cp", 1) > 1:
-            notes.append(f"cp{c['cp']} for {m.seq_length} tokens")
+            notes.append(f"cp{c['cp']} for {m.seq_length} tokens" if m.seq_length else f"cp{c['cp']}")
         if c.get("ep", 1) > 1:
             notes.append(f"ep{c['ep']} spreads {m.num_experts} experts")
         return ", ".join(notes)
