@@ -161,7 +161,7 @@ def make_job(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> Jo
                  f"sim_gpu={sc.gpu}", *EXTRA_OVERRIDES]
     if seed is not None:
         overrides.append(f"strategy.seed={seed}")
-    with initialize_config_module("zenithtune.conf", version_base=None):
+    with initialize_config_module("zenithtune.conf"):
         cfg = compose("config", overrides=overrides)
     with open_dict(cfg):
         cfg.command = sc.command()

@@ -38,7 +38,7 @@ MOE = ["--num-layers=8", "--hidden-size=1024", "--ffn-hidden-size=2816", "--num-
 def make_job(strategy: str, *, n_gpus: int = 8, gbs: int = 32, shape: list[str] = SHAPE, gpu: str = "a100-40g",
              extra: tuple[str, ...] = ()) -> Job:
     overrides = [f"n_gpus={n_gpus}", f"gbs={gbs}", f"strategy={strategy}", "mbs_max=4", f"sim_gpu={gpu}", *extra]
-    with initialize_config_module("zenithtune.conf", version_base=None):
+    with initialize_config_module("zenithtune.conf"):
         cfg = compose("config", overrides=overrides)
     with open_dict(cfg):
         cfg.command = [sys.executable, "-m", "zenithtune.sim", *shape, "--micro-batch-size=1",
@@ -223,7 +223,7 @@ def test_heuristic_measures_full_recompute_where_it_wins():
     from pathlib import Path
 
     toy = str(Path(__file__).parent / "fixtures" / "toy_trainer.py")
-    with initialize_config_module("zenithtune.conf", version_base=None):
+    with initialize_config_module("zenithtune.conf"):
         cfg = compose("config", overrides=["n_gpus=8", "gbs=8", "strategy=heuristic", "mbs_max=4"])
     with open_dict(cfg):
         cfg.command = [sys.executable, toy, "--some-user-opt", "1", "--num-layers", "8"]
@@ -243,3 +243,25 @@ def test_heuristic_measures_full_recompute_where_it_wins():
     assert best.candidate["recompute_granularity"] == "full"
     assert {o.candidate["recompute_granularity"] for o in runs} >= {"full", "selective"} or \
         {o.candidate["recompute_granularity"] for o in runs} >= {"full", "none"}
+
+
+def test_heuristic_probes_once_past_a_pessimistic_memory_screen():
+    # The study believes the GPU has 18 GB; the simulated A100 has 39.4 GiB, so the screen wrongly
+    # removes the fastest layouts. One budgeted launch past it finds them; without it they stay lost.
+    loop0, _ = study(make_job("heuristic", extra=("gpu_memory_gb=18", "strategy.memory_probes=0")), 30)
+    loop1, _ = study(make_job("heuristic", extra=("gpu_memory_gb=18",)), 30)
+    best0 = max(o.value for o in launched(loop0) if o.ok)
+    best1 = max(o.value for o in launched(loop1) if o.ok)
+    probes = [o for o in launched(loop1) if o.probe]
+    assert not any(o.probe for o in launched(loop0))
+    assert len(probes) == 1 and probes[0].ok
+    assert 18 < probes[0].predicted_gb <= 18 * 1.10  # just past the screen, within probe_reach
+    assert best1 > best0 * 1.01
+
+
+def test_heuristic_does_not_probe_again_after_a_probe_runs_out_of_memory():
+    job = make_job("heuristic", extra=("gpu_memory_gb=18",))
+    loop, _ = study(job, 30, oom_if=lambda cand: (job.predict_gb(cand) or 0) > 18 * 1.02)
+    failed = [o for o in launched(loop) if not o.ok]
+    assert len(failed) == 1 and failed[0].probe and failed[0].kind == "oom"
+    assert sum(o.probe for o in launched(loop)) == 1

@@ -127,7 +127,9 @@ class StudyLoop:
         broken = job.space.reasons(cand)
         if not broken:
             oom = job.predicted_oom(cand)
-            if oom:
+            if oom and proposal.probe_memory:
+                trial.set_user_attr("memory_probe", oom)  # launched on purpose; the outcome teaches the estimate
+            elif oom:
                 broken = [("predicted_oom", oom)]
         dup = self.measured.get(job.space.key(cand))
         if not broken and dup is not None:
@@ -165,7 +167,7 @@ class StudyLoop:
             trial.set_user_attr("measured_gb", round(res.measured_gb, 2))
         common = dict(candidate=cand, launched=True, duration=duration, trial_number=trial.number,
                       predicted_gb=trial.user_attrs.get("predicted_gb"), measured_gb=res.measured_gb,
-                      stage=proposal.stage)
+                      stage=proposal.stage, probe="memory_probe" in trial.user_attrs)
         if res.value is not None:
             self.study.tell(trial, float(res.value))
             return Outcome(state="complete", value=float(res.value), **common)

@@ -84,6 +84,7 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         rules=list(t.user_attrs.get("rules") or []), launched=bool(t.user_attrs.get("launched")),
         duration=t.user_attrs.get("duration"), predicted_gb=t.user_attrs.get("predicted_gb"),
         measured_gb=t.user_attrs.get("measured_gb"), trial_number=t.number, stage=t.user_attrs.get("stage"),
+        probe="memory_probe" in t.user_attrs,
     )
 
 

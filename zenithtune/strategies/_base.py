@@ -38,6 +38,10 @@ class Proposal:
     # Parameters it fills are not Optuna params of the trial, so they never bias the sampler.
     sample: tuple[str, ...] | None = None
     complete: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # Launch even though the study's memory estimate predicts OOM: a deliberate, budgeted test of the
+    # estimate at its edge (the fastest layouts often use 95+ % of the GPU, where an estimate that
+    # must never miss an OOM is a few GB pessimistic). Megatron's structural rules still apply.
+    probe_memory: bool = False
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Outcome:
     measured_gb: float | None = None
     trial_number: int | None = None
     stage: str | None = None
+    probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
 
     @property
     def ok(self) -> bool:

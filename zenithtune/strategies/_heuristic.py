@@ -49,7 +49,8 @@ def _rec(c: dict) -> tuple:
 
 class HeuristicStrategy(Strategy):
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
-                 cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True):
+                 cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
+                 memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -63,6 +64,12 @@ class HeuristicStrategy(Strategy):
         self.cp_min_tokens = int(cp_min_tokens)
         self.tp_within_node = bool(tp_within_node)
         self.test_both_granularities = bool(test_both_granularities)
+        if memory_probes < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1:
+            raise ValueError(f"memory_probes={memory_probes} (>= 0), probe_reach={probe_reach} (0..0.5) and "
+                             f"probe_gain={probe_gain} (0..1) are out of range")
+        self.memory_probes = int(memory_probes)  # launches allowed past the memory screen per study
+        self.probe_reach = float(probe_reach)  # ... only up to capacity x (1 + this) predicted
+        self.probe_gain = float(probe_gain)  # ... and only when predicted to beat the best by this much
 
     # --- the pool -----------------------------------------------------------------------------------
     def setup(self, space, memory, history) -> None:
@@ -196,6 +203,7 @@ class HeuristicStrategy(Strategy):
         mean, sd, trust = self._residual.predict([i for i, _ in measured], [r for _, r in measured], at)
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
+        probe = None
         for j in np.argsort(-ucb, kind="stable"):
             if ucb[j] <= target * (1 + self.min_gain):
                 break
@@ -203,13 +211,27 @@ class HeuristicStrategy(Strategy):
             if self._ruled_out(cand):
                 continue
             fits, mem = self._fits(cand, self.fit)
-            if not fits:
-                continue
-            return Proposal(dict(cand), why=f"{self._role(cand, best.candidate)}: predicted {pred[j]:.0f} "
-                            f"+-{100 * sd[j]:.0f}% (prior {self._prior[at[j]]:.0f} x {math.exp(mean[j]):.2f} learned "
-                            f"from {len(measured)} runs{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best "
-                            f"{target:.0f}; {mem}")
-        return self._granularity_check(best, tried)
+            why = (f"{self._role(cand, best.candidate)}: predicted {pred[j]:.0f} +-{100 * sd[j]:.0f}% (prior "
+                   f"{self._prior[at[j]]:.0f} x {math.exp(mean[j]):.2f} learned from {len(measured)} runs"
+                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best {target:.0f}")
+            if fits:
+                return Proposal(dict(cand), why=f"{why}; {mem}")
+            if probe is None and pred[j] > target * (1 + self.probe_gain) and self._probe_ok(cand):
+                probe = Proposal(dict(cand), probe_memory=True,
+                                 why=f"memory probe: {why}, though {mem}; one launch tests the estimate at its edge")
+        return self._granularity_check(best, tried) or probe
+
+    def _probe_ok(self, c: dict) -> bool:
+        """May this candidate, screened only by the memory estimate, be launched as a probe? Once per
+        `memory_probes`, never after an OOM, and only just past the limit (`probe_reach`)."""
+        if self.memory is None or self.memory_probes <= 0:
+            return False
+        launched = [o for o in self.history if o.launched]
+        if sum(1 for o in launched if o.kind == "oom") or \
+                sum(1 for o in self.history if o.probe) >= self.memory_probes:
+            return False
+        gb = self.predict_gb(c)
+        return gb is not None and gb <= self.space.ctx.gpu_memory_gb * (1 + self.probe_reach)
 
     def _first(self, tried: set[tuple]) -> Proposal | None:
         for i in np.argsort(-self._prior, kind="stable"):
