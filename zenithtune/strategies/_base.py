@@ -111,3 +111,17 @@ class Strategy(ABC):
         return self.memory.predict(self.space.layout(cand), self.space.ctx.model,
                                    distributed_optimizer=self.space.ctx.distributed_optimizer,
                                    vit_checkpointing=self.space.vit_checkpointing(cand))
+
+
+def tpe_sampler(seed: int, n_startup_trials: int, multivariate: bool = True) -> optuna.samplers.BaseSampler:
+    """Optuna's TPE for a conditional space (recompute_method exists only under full recompute):
+    multivariate with `group`, which Optuna still marks experimental; its warning says nothing a
+    zenithtune user can act on, so it is silenced here."""
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials,
+                                          multivariate=multivariate, group=multivariate)

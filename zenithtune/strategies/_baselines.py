@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from zenithtune.strategies._base import Proposal, Strategy
+from zenithtune.strategies._base import Proposal, Strategy, tpe_sampler
 
 if TYPE_CHECKING:
     import optuna
@@ -24,10 +24,7 @@ class TPEStrategy(Strategy):
         self._valid: int | None = None
 
     def sampler(self) -> optuna.samplers.BaseSampler:
-        import optuna
-
-        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=self.n_startup_trials,
-                                          multivariate=self.multivariate, group=self.multivariate)
+        return tpe_sampler(self.seed, self.n_startup_trials, self.multivariate)
 
     def ask(self) -> Proposal | None:
         if self._valid is None:

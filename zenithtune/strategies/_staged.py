@@ -18,7 +18,7 @@ import random
 from typing import TYPE_CHECKING
 
 from zenithtune.space import LAYOUT_PARAMS
-from zenithtune.strategies._base import Outcome, Proposal, Strategy
+from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 
 if TYPE_CHECKING:
     import optuna
@@ -52,10 +52,7 @@ class StagedBlackboxStrategy(Strategy):
         self._stage2_asked = 0
 
     def sampler(self) -> optuna.samplers.BaseSampler:
-        import optuna
-
-        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=self.n_startup_trials,
-                                          multivariate=True, group=True)
+        return tpe_sampler(self.seed, self.n_startup_trials)
 
     def setup(self, space, memory, history) -> None:
         self._by_layout: dict[tuple, dict[tuple, dict]] = {}  # layout -> {key: candidate} of the valid ones
