@@ -11,6 +11,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.sim.hardware import GPU, GPUS
@@ -298,14 +299,7 @@ def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
         recompute_granularity=granularity, recompute_method=method, recompute_num_layers=num_layers,
         sequence_parallel=sequence_parallel, overlap_p2p=args.overlap_p2p_comm)
 
-    # option-consistency checks Megatron makes on flags the tuner never varies
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ConfigError("--overlap-param-gather only supported with distributed optimizer")
-    if args.overlap_param_gather and not args.overlap_grad_reduce:
-        raise ConfigError("--overlap-grad-reduce should be turned on when using --overlap-param-gather")
-    if args.tp_comm_overlap and not sequence_parallel:
-        raise ConfigError("Tensor parallel communication/GEMM overlap can happen only when sequence "
-                          "parallelism is enabled")
+    check_overlap_flags(args, sequence_parallel)
     train_iters = args.train_iters if args.train_iters is not None else max(1, args.train_samples // gbs)
     if train_iters < 1 or args.log_interval < 1:
         raise ConfigError(f"--train-iters ({train_iters}) and --log-interval ({args.log_interval}) must be >= 1")
@@ -326,3 +320,14 @@ def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
         overlap_param_gather=args.overlap_param_gather, log_throughput=args.log_throughput, vision=vision,
         noise_pct=args.sim_noise, seed=args.sim_seed, time_scale=args.sim_time_scale,
         notes=tuple(notes), warnings=tuple(warnings))
+
+
+def check_overlap_flags(args: Any, sequence_parallel: bool) -> None:
+    """Option-consistency checks Megatron makes on flags the tuner never varies (both flavours)."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ConfigError("--overlap-param-gather only supported with distributed optimizer")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ConfigError("--overlap-grad-reduce should be turned on when using --overlap-param-gather")
+    if args.tp_comm_overlap and not sequence_parallel:
+        raise ConfigError("Tensor parallel communication/GEMM overlap can happen only when sequence "
+                          "parallelism is enabled")

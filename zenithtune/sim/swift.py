@@ -19,7 +19,8 @@ from functools import lru_cache
 
 from zenithtune.modelinfo import info_from_config
 from zenithtune.sim import physics
-from zenithtune.sim.arguments import ConfigError, SimConfig, Vision, _Parser, padded_vocab, world_size
+from zenithtune.sim.arguments import (ConfigError, SimConfig, Vision, _Parser, check_overlap_flags, padded_vocab,
+                                      world_size)
 from zenithtune.sim.hardware import GPUS
 from zenithtune.sim.trainer import EPOCH, Event, SimResult, finish, prepare, run_config
 from zenithtune.validate import Layout
@@ -141,11 +142,7 @@ def parse_swift(argv: list[str], env: dict[str, str]) -> SimConfig:
         recompute_num_layers=args.recompute_num_layers, sequence_parallel=sp)
     if min(tp, layout.pp, layout.cp, layout.ep, layout.expert_tp, layout.mbs, n) < 1:
         raise ConfigError("parallel sizes, --micro_batch_size and the world size must be positive integers")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ConfigError("--overlap-param-gather only supported with distributed optimizer")
-    if args.tp_comm_overlap and not sp:
-        raise ConfigError("Tensor parallel communication/GEMM overlap can happen only when sequence "
-                          "parallelism is enabled")
+    check_overlap_flags(args, sp)
     vision = None
     if info.is_vlm and info.vision_num_layers and info.vision_hidden_size:
         vcfg = raw.get("vision_config") or {}
