@@ -106,13 +106,6 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
     return (max if maximize else min)(done, key=lambda t: t.value)
 
 
-def first_launched(study: optuna.Study) -> FrozenTrial | None:
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if t.user_attrs.get("launched"):
-            return t
-    return None
-
-
 def tuned_yaml(*, params: dict[str, Any], n_gpus: int, gbs: int, score: float, metric: str,
                trial: int, study: str, strategy: str, model: str | None, command: Iterable[str],
                name: str | None = None) -> str:
