@@ -118,6 +118,7 @@ class Space:
         self.params = {p.name: p for p in params}
         self.preset = preset
         self.ctx = ctx
+        self._walked: tuple[list[Candidate], Survey] | None = None
 
     @classmethod
     def from_preset(cls, preset: Mapping[str, Any], ctx: Context) -> Space:
@@ -205,7 +206,22 @@ class Space:
     def walk(self, survey: Survey | None = None) -> Iterator[Candidate]:
         """Every valid candidate, pruning whole sub-trees as soon as the layout is invalid.
 
-        With `survey`, counts how many candidates each rule removed (first broken rule wins)."""
+        With `survey`, counts how many candidates each rule removed (first broken rule wins). The
+        enumeration runs once per Space (the study's report and its strategy both walk it; a MoE space
+        has tens of thousands of candidates); later walks replay it."""
+        if self._walked is None:
+            counts = Survey()
+            self._walked = (list(self._enumerate(counts)), counts)
+        valid, counts = self._walked
+        if survey is not None:
+            survey.total += counts.total
+            survey.valid += counts.valid
+            survey.removed.update(counts.removed)
+            for rule, why in counts.reasons.items():
+                survey.reasons.setdefault(rule, why)
+        return (dict(c) for c in valid)
+
+    def _enumerate(self, survey: Survey) -> Iterator[Candidate]:
         lay_names = tuple(n for n in LAYOUT_PARAMS if n in self.params)
         rest_names = tuple(n for n in self.params if n not in lay_names and n != "mbs")
         rest = self._sub(rest_names, {})
@@ -213,25 +229,21 @@ class Space:
         per_layout = len(mbs_choices) * len(rest)
         for lay_c in self._sub(lay_names, {}):
             base = {**lay_c, "mbs": 1} if "mbs" in self.params else dict(lay_c)
-            if survey is not None:
-                survey.total += per_layout
+            survey.total += per_layout
             bad = self._check(self.layout(base))
             if bad:
-                if survey is not None:
-                    survey.removed[bad[0][0]] += per_layout
-                    survey.reasons.setdefault(bad[0][0], bad[0][1])
+                survey.removed[bad[0][0]] += per_layout
+                survey.reasons.setdefault(bad[0][0], bad[0][1])
                 continue
             for mbs in mbs_choices:
                 for r in rest:
                     cand = self.normalize({**lay_c, "mbs": mbs, **r} if "mbs" in self.params else {**lay_c, **r})
                     bad = self._check(self.layout(cand))
                     if bad:
-                        if survey is not None:
-                            survey.removed[bad[0][0]] += 1
-                            survey.reasons.setdefault(bad[0][0], bad[0][1])
+                        survey.removed[bad[0][0]] += 1
+                        survey.reasons.setdefault(bad[0][0], bad[0][1])
                         continue
-                    if survey is not None:
-                        survey.valid += 1
+                    survey.valid += 1
                     yield cand
 
     def suggest(self, trial: Any, names: tuple[str, ...] | None = None,
