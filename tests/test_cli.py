@@ -101,7 +101,7 @@ def _overrides(argv: list[str]) -> list[str]:
      ["-m", "strategy=grid", "storage='/data/my runs/study.db'", "mbs_max=2"]),
     (["--output-dir", "/runs", "--timeout-dynamic", "--timeout-dynamic-factor", "2", "--timeout-dynamic-floor", "30"],
      ["-m", "timeout_dynamic=true", "timeout_dynamic_factor=2", "timeout_dynamic_floor=30",
-      "hydra.sweep.dir='/runs/study_${now:%Y%m%d_%H%M%S}'"]),
+      "hydra.sweep.dir='/runs/study_${zt.started:%Y%m%d_%H%M%S}'"]),
 ])
 def test_seed_options_become_hydra_overrides(argv, expected):
     assert _overrides(argv) == expected

@@ -146,7 +146,7 @@ def optimize_overrides(ns: argparse.Namespace) -> list[str]:
     if ns.db_path:
         out.append(f"storage={hydra_quote(storage_value(ns.db_path))}")
     if ns.output_dir:
-        out.append("hydra.sweep.dir=" + hydra_quote(f"{Path(ns.output_dir).expanduser()}/study_${{now:%Y%m%d_%H%M%S}}"))
+        out.append("hydra.sweep.dir=" + hydra_quote(f"{Path(ns.output_dir).expanduser()}/study_${{zt.started:%Y%m%d_%H%M%S}}"))
     if ns.study_name:
         out.append(f"study_name={hydra_quote(ns.study_name)}")
     if ns.save_tuned:

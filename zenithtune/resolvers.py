@@ -7,6 +7,7 @@ environment also reaches jobs that a launcher runs in another process.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -31,5 +32,17 @@ def _mkdir(path: str) -> str:
     return os.path.abspath(path)
 
 
+_STARTED = datetime.datetime.now()
+
+
+def _started(pattern: str) -> str:
+    """This process's start time, formatted. Unlike Hydra's ${now:}, every config composed in the
+    process agrees on it, so a study's db (opened by a sweeper from its own copy of the config) and
+    its trial folders (composed per job by the launcher) land in the same study folder even when
+    the clock ticks between the two."""
+    return _STARTED.strftime(pattern)
+
+
+OmegaConf.register_resolver("zt.started", _started, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.mkdir", _mkdir, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.python", lambda: sys.executable, replace=True, annotation_validation="off")
