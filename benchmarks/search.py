@@ -46,6 +46,7 @@ import optuna  # noqa: E402
 
 from zenithtune.evaluate import NoMetric, peak_memory_mb  # noqa: E402
 from zenithtune.inject import inject  # noqa: E402
+from zenithtune import settings  # noqa: E402
 from zenithtune.job import Job, build_job  # noqa: E402
 from zenithtune.loop import Callbacks, Launched, StudyLoop  # noqa: E402
 from zenithtune.sim import simulate  # noqa: E402
@@ -165,7 +166,7 @@ def make_job(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> Jo
         cfg = compose("config", overrides=overrides)
     with open_dict(cfg):
         cfg.command = sc.command()
-    return build_job(cfg)
+    return build_job(settings.load(cfg))
 
 
 def sim_argv(job: Job, cand: dict) -> list[str]:

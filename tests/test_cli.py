@@ -21,6 +21,7 @@ import yaml
 from optuna.trial import TrialState
 
 from zenithtune import cli
+from zenithtune.overrides import remember_invocation, resume_command
 from zenithtune.progress import Progress
 from zenithtune.strategies import Outcome
 
@@ -149,14 +150,12 @@ def test_help_shows_options_and_examples(sub, shows, capsys):
         assert s in out, s
 
 
-def test_resume_command_is_pasteable_in_the_syntax_typed(monkeypatch):
-    monkeypatch.setattr(cli, "_invocation", ["optimize", "--args", "n_gpus=8,gbs=64", "--output-dir", "o",
-                                             "--db-path=x.db"])
-    assert cli.resume_command("sqlite:////r/study.db", [], [], ["python", "train.py", "--x", "a b"]) == \
-        "zenithtune optimize --args n_gpus=8,gbs=64 --db-path /r/study.db -- python train.py --x 'a b'"
-    monkeypatch.setattr(cli, "_invocation", None)
-    assert cli.resume_command("sqlite:////r/study.db", ["n_gpus=8", "gbs=64", "storage=old.db"],
-                              ["hydra.searchpath=[file:///c]", "hydra/launcher=basic"], None) == \
+def test_resume_command_is_pasteable_in_the_syntax_typed():
+    with remember_invocation(["optimize", "--args", "n_gpus=8,gbs=64", "--output-dir", "o", "--db-path=x.db"]):
+        assert resume_command("/r/study.db", [], [], ["python", "train.py", "--x", "a b"]) == \
+            "zenithtune optimize --args n_gpus=8,gbs=64 --db-path /r/study.db -- python train.py --x 'a b'"
+    assert resume_command("/r/study.db", ["n_gpus=8", "gbs=64", "storage=old.db"],
+                          ["hydra.searchpath=[file:///c]", "hydra/launcher=basic"], None) == \
         "python -m zenithtune -m n_gpus=8 gbs=64 hydra/launcher=basic storage=/r/study.db"
 
 

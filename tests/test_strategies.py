@@ -13,6 +13,7 @@ from omegaconf import open_dict
 
 from zenithtune.evaluate import peak_memory_mb
 from zenithtune.inject import inject
+from zenithtune import settings
 from zenithtune.job import Job, build_job
 from zenithtune.loop import Launched, StudyLoop
 from zenithtune.sim import simulate
@@ -44,7 +45,7 @@ def make_job(strategy: str, *, n_gpus: int = 8, gbs: int = 32, shape: list[str] 
         cfg.command = [sys.executable, "-m", "zenithtune.sim", *shape, "--micro-batch-size=1",
                        f"--global-batch-size={gbs}", "--train-iters=4", "--bf16", "--use-distributed-optimizer",
                        "--log-throughput", f"--sim-gpu={gpu}", "--sim-gpus-per-node=8", f"--sim-world-size={n_gpus}"]
-    return build_job(cfg)
+    return build_job(settings.load(cfg))
 
 
 def sim_launch(job: Job, oom_if=None):
@@ -227,7 +228,7 @@ def test_heuristic_measures_full_recompute_where_it_wins():
         cfg = compose("config", overrides=["n_gpus=8", "gbs=8", "strategy=heuristic", "mbs_max=4"])
     with open_dict(cfg):
         cfg.command = [sys.executable, toy, "--some-user-opt", "1", "--num-layers", "8"]
-    job = build_job(cfg)
+    job = build_job(settings.load(cfg))
 
     def launch(number: int, cand: dict, timeout: float | None) -> Launched:
         out = subprocess.run(inject(job.command, job.space.options(cand)), capture_output=True, text=True,

@@ -1,7 +1,6 @@
 """End-to-end: `python -m zenithtune -m ...` as a user runs it, and every bad input a user can type."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+
+from zenithtune.record import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = str(REPO / "tests" / "fixtures" / "toy_trainer.py")
@@ -85,8 +86,7 @@ def test_wrapping_a_user_script_injects_options_into_its_argv(tmp_path):
         assert f"--micro-batch-size {cand['mbs']}" in first
         assert "--global-batch-size 8" in first
         assert "some-user-opt=3" in log  # the script ran with its own option intact
-        info = json.loads((Path(t.user_attrs["log"]).parent / "trial.json").read_text())
-        assert info["argv"] == t.user_attrs["argv"]
+        assert read_run(Path(t.user_attrs["log"]).parent / "trial.json").argv == t.user_attrs["argv"]
 
 
 @pytest.mark.slow
@@ -130,13 +130,33 @@ def test_gbs_that_fits_no_layout_names_the_value(tmp_path):
     assert "gbs=5" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("group,name", [("strategy", "nope"), ("preset", "deepspeed"), ("evaluator", "xyz")])
-def test_unknown_group_option_lists_the_available_ones(tmp_path, group, name):
+@pytest.mark.parametrize("group,name,choice", [("strategy", "heursitic", "heuristic"), ("preset", "deepspeed", "megatron"),
+                                               ("evaluator", "xyz", "megatron_throughput"), ("tuned", "nosuch", "")])
+def test_unknown_group_option_is_one_line_listing_the_available_ones(tmp_path, group, name, choice):
     r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", f"{group}={name}", timeout=120)
-    assert r.returncode != 0
-    assert f"Could not find '{group}/{name}'" in r.stderr
-    assert "Available options" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"zenithtune: error: {group}={name} is not a ") and choice in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override,key", [("n_gpus=abc", "n_gpus"), ("timeout=abc", "timeout"), ("n_gpus=true", "n_gpus"),
+                                          ("timeout=-1", "timeout"), ("gpus_per_node=-8", "gpus_per_node"),
+                                          ("seq_length=-5", "seq_length"), ("num_query_groups=0", "num_query_groups"),
+                                          ("timeout_dynamic_factor=-2", "timeout_dynamic_factor"),
+                                          ("n_gpus=1000000000", "n_gpus")])
+def test_a_bad_value_is_one_line_naming_the_key(tmp_path, override, key):
+    """Typed schema + range checks at the boundary: one line, the key named, exit 2, no traceback."""
+    args = ["-m", "n_gpus=8", "gbs=64", override] if not override.startswith("n_gpus") else ["-m", "gbs=64", override]
+    r = zt(tmp_path, *args, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"zenithtune: error: {key}=") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_single_run_without_params_says_a_study_needs_dash_m(tmp_path):
+    r = zt(tmp_path, "n_gpus=abc", "gbs=64", "+params.tp=2", timeout=120)
+    assert r.returncode == 2 and "n_gpus=abc" in r.stderr and "Traceback" not in r.stderr
+    r = zt(tmp_path, "n_gpus=8", "gbs=64", timeout=120)
+    assert r.returncode == 2 and "a study needs -m" in r.stderr and "+params.tp" in r.stderr
 
 
 @pytest.mark.slow
@@ -147,14 +167,14 @@ def test_stock_hydra_optuna_baseline_runs_and_wastes_trials_on_invalid_layouts(t
     assert len(study.trials) == 8  # every proposal is a trial: invalid ones use up the budget
     assert sum(t.state == optuna.trial.TrialState.FAIL for t in study.trials) >= 3
     for t in study.trials:
-        info = json.loads((study_dir(tmp_path) / f"trial_{t.number}" / "trial.json").read_text())
-        if t.state == optuna.trial.TrialState.FAIL and "returncode" not in info:
+        run = read_run(study_dir(tmp_path) / f"trial_{t.number}" / "trial.json")
+        if t.state == optuna.trial.TrialState.FAIL and run.log is None:
             # screened inside the entry function: never run, reason recorded
-            assert info["failure"]["kind"] == "invalid_args" and info["failure"]["reason"]
+            assert run.kind == "invalid_args" and run.reason
         elif t.state == optuna.trial.TrialState.FAIL:
-            assert info["failure"]["kind"] == "oom"  # a miss of the estimate, run and failed
+            assert run.kind == "oom"  # a miss of the estimate, run and failed
         else:
-            assert t.value > 0 and info["returncode"] == 0
+            assert t.value > 0 and run.value == t.value and run.kind is None
 
 
 QWEN3_MOE_SIM = [sys.executable, "-m", "zenithtune.sim", "--num-layers", "48", "--hidden-size", "2048",

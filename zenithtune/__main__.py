@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
+from zenithtune.errors import ZenithtuneError, report
+from zenithtune.overrides import hydra_quote, key, split_command, unquote
 from zenithtune.resolvers import COMMAND_ENV
-
-
-def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
-    if "--" not in argv:
-        return argv, None
-    i = argv.index("--")
-    return argv[:i], argv[i + 1:]
 
 
 def _search_path_override(hydra_args: list[str]) -> list[str]:
@@ -29,41 +23,24 @@ def _search_path_override(hydra_args: list[str]) -> list[str]:
     return []
 
 
-_SAFE = re.compile(r"[A-Za-z0-9_./:+@%-]*")
-
-
-def hydra_quote(value: str) -> str:
-    """A string as a Hydra override value: as is when the grammar takes it bare, else single-quoted
-    (paths with spaces, commas, brackets, quotes)."""
-    if _SAFE.fullmatch(value) and value not in ("", "null", "true", "false"):
-        return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _unquote(value: str) -> str:
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1].replace("\\" + value[0], value[0]).replace("\\\\", "\\")
-    return value
-
-
 def _sweep_dir_override(hydra_args: list[str]) -> list[str]:
-    """`storage=<a sqlite file>` makes the study's folder the db's folder: trial_N/ and best.yaml go
-    next to study.db, so re-running with the same storage resumes the study in place. An explicit
-    hydra.sweep.dir wins."""
-    if any(a.lstrip("+").startswith("hydra.sweep.dir=") for a in hydra_args):
+    """`storage=<a sqlite file or its folder>` makes the study's folder the db's folder: trial_N/ and
+    best.yaml go next to study.db, so re-running with the same storage resumes the study in place.
+    An explicit hydra.sweep.dir wins."""
+    from zenithtune.study import db_path, storage_url
+
+    if any(key(a) == "hydra.sweep.dir" for a in hydra_args):
         return []
     value = None
     for a in hydra_args:
-        key, eq, v = a.lstrip("+").partition("=")
-        if eq and key == "storage":
-            value = _unquote(v)
+        if key(a) == "storage":
+            value = unquote(a.partition("=")[2])
     if not value or value == "null":
         return []
-    if value.startswith("sqlite:///"):
-        value = value[len("sqlite:///"):]
-    elif "://" in value:
+    path = db_path(storage_url(value))
+    if path is None:
         return []  # a database server: trial folders stay under outputs/
-    return [f"hydra.sweep.dir={hydra_quote(str(Path(value).resolve().parent))}"]
+    return [f"hydra.sweep.dir={hydra_quote(str(path.parent))}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
                   "e.g. -- torchrun --nproc-per-node 8 pretrain_gpt.py ...", file=sys.stderr)
             return 2
         os.environ[COMMAND_ENV] = json.dumps(command)
-    hydra_args = hydra_args + _search_path_override(hydra_args) + _sweep_dir_override(hydra_args)
+    try:
+        from zenithtune.settings import check_overrides
+
+        check_overrides([a for a in hydra_args if not a.startswith("-")])
+        hydra_args = hydra_args + _search_path_override(hydra_args) + _sweep_dir_override(hydra_args)
+    except ZenithtuneError as e:
+        return report(e)
     from zenithtune.hydra_main import run_hydra
 
     return run_hydra(hydra_args)

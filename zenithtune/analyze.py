@@ -31,19 +31,8 @@ _COLOURS = {"complete": "tab:green", "running": "tab:blue", "timeout": "tab:oran
             "interrupted": "tab:gray"}  # other failure kinds: tab:purple
 
 
-class AnalyzeError(ValueError):
-    """A study that cannot be analyzed (missing, empty): one line for the user."""
-
-
 def load(db: str, study_name: str | None = None) -> tuple[optuna.Study, str]:
-    from zenithtune.cli import storage_value
-
-    url = zstudy.storage_url(storage_value(db))
-    path = zstudy.db_path(url)
-    if path is not None and not path.is_file():
-        raise AnalyzeError(f"{db}: no such study database ({path}); studies are in outputs/study_*/study.db")
-    name = study_name or zstudy.only_study_name(url)
-    return zstudy.open_study(url, name, "maximize", create=False), url
+    return zstudy.load_existing(db, study_name)
 
 
 def _state(t: FrozenTrial) -> str:
@@ -222,11 +211,7 @@ def analyze(db: str, study_name: str | None = None, plots: bool = True, show_all
     console = Console(file=out or sys.stdout, highlight=False, soft_wrap=False,
                       width=None if (out or sys.stdout).isatty() else 200)
     say = lambda text="": console.print(text, markup=False, soft_wrap=True)  # noqa: E731
-    try:
-        study, url = load(db, study_name)
-    except (AnalyzeError, KeyError, ValueError) as e:
-        print(f"zenithtune analyze: error: {e}", file=sys.stderr)
-        return 2
+    study, url = load(db, study_name)  # a ZenithtuneError is the CLI's one line
     trials = study.get_trials(deepcopy=False)
     if not trials:
         print(f"zenithtune analyze: error: study {study.study_name!r} in {url} has no trials yet", file=sys.stderr)
@@ -238,7 +223,8 @@ def analyze(db: str, study_name: str | None = None, plots: bool = True, show_all
     running = [t for t in trials if t.state == TrialState.RUNNING]
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     complete = [t for t in launched if t.state == TrialState.COMPLETE]
-    best = zstudy.best_trial(study)
+    best_outcome = zstudy.best_trial(study)
+    best = next((t for t in trials if best_outcome and t.number == best_outcome.trial_number), None)
     first = next((t for t in launched if t.state != TrialState.RUNNING), None)
 
     shape = " ".join(f"{k}={meta[k]}" for k in ("n_gpus", "gbs", "model", "strategy") if meta.get(k) is not None)

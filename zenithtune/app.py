@@ -1,35 +1,27 @@
 """THE entry function: config -> inject options -> run the command -> evaluate -> score.
 
 Every trial of a study (launched by the zenithtune sweeper through a Hydra launcher) and every single
-run (`python -m zenithtune tuned=NAME -- cmd`, `zenithtune apply`) goes through `task`. It returns
+run (`python -m zenithtune tuned=NAME -- cmd`, `zenithtune apply`) goes through here. `task` returns
 the score (e.g. TFLOP/s/GPU) or raises `TrialFailure` naming the failure kind and the log; the facts
-of the run (exact argv, added env, duration, measured memory) land in `<trial dir>/trial.json` for
-the sweeper to store in the study.
+of the run (exact argv, added env, duration, measured memory) land in `<trial dir>/trial.json`
+(`record.write_run`) for the sweeper to store in the study.
 """
 from __future__ import annotations
 
-import json
-import os
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from zenithtune import resolvers  # noqa: F401  (registers ${zt.command:} and ${zt.python:})
+from zenithtune.errors import UserError
+from zenithtune.evaluate import NoMetric, peak_memory_mb
 from zenithtune.inject import inject
+from zenithtune.job import screen_params
+from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Launched, write_run
 from zenithtune.run import FailureKind, classify, run
+from zenithtune.settings import ZenithtuneConf, build, trial_params, wrapped_command
 from zenithtune.space import options_for
 from zenithtune.validate import Layout, required_env
-
-TRIAL_LOG = "trial.log"
-TRIAL_INFO = "trial.json"
-
-
-class UserError(ValueError):
-    """Bad input a user can fix; printed as one line, never with a traceback."""
 
 
 class TrialFailure(Exception):
@@ -41,143 +33,74 @@ class TrialFailure(Exception):
         self.reason = reason
         self.log_path = log_path
 
-    def __reduce__(self):  # picklable across launchers (submitit)
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across launchers (submitit)
         return (TrialFailure, (self.kind, self.reason, self.log_path))
 
 
-def wrapped_command(cfg: DictConfig) -> list[str]:
-    cmd = cfg.get("command")
-    if cmd is None or len(cmd) == 0:
-        raise UserError("command is empty: put the training command after a lone `--`, "
-                        "e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- torchrun ... pretrain_gpt.py ...")
-    return [str(x) for x in cmd]
-
-
-def trial_params(cfg: DictConfig) -> dict[str, Any]:
-    params = cfg.get("params") or {}
-    return {str(k): v for k, v in OmegaConf.to_container(params, resolve=True).items() if v is not None}
-
-
-def compose(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
+def compose(conf: ZenithtuneConf) -> tuple[list[str], dict[str, str]]:
     """The exact argv and the added environment for this config's parameters."""
-    argv = wrapped_command(cfg)
-    params = trial_params(cfg)
-    preset = OmegaConf.to_container(cfg.preset, resolve=True)
-    argv = inject(argv, options_for(preset, params, int(cfg.gbs)))
-    lay = Layout(n_gpus=int(cfg.n_gpus), gbs=int(cfg.gbs), tp=int(params.get("tp", 1)),
-                 cp=int(params.get("cp", 1)))
+    argv = wrapped_command(conf)
+    params = trial_params(conf)
+    argv = inject(argv, options_for(conf.preset, params, conf.gbs))
+    lay = Layout(n_gpus=conf.n_gpus, gbs=conf.gbs, tp=int(params.get("tp", 1)), cp=int(params.get("cp", 1)))
     return argv, required_env(lay)
 
 
-def _timeout(cfg: DictConfig) -> float | None:
-    t = cfg.get("timeout")
-    return float(t) if t not in (None, "", 0) else None
-
-
-# Targets a config may instantiate (strategies, evaluators, samplers). Hydra 1.4 wants an execution
-# whitelist from trusted code; users who plug in their own evaluator or strategy add its package via
-# ZENITHTUNE_TRUSTED_TARGETS="mypkg.*,other.module.Class".
-TRUSTED_TARGETS = ("zenithtune.*", "optuna.samplers.*", "hydra_plugins.hydra_optuna_sweeper.*")
-TRUSTED_ENV = "ZENITHTUNE_TRUSTED_TARGETS"
-
-
-def build(node: Any) -> Any:
-    """Instantiate a `_target_` config node (strategy, evaluator) under the execution whitelist."""
-    from hydra.utils import instantiate
-
-    extra = [t.strip() for t in os.environ.get(TRUSTED_ENV, "").split(",") if t.strip()]
-    target = str(node.get("_target_", "")) if hasattr(node, "get") else ""
-    allowed = list(TRUSTED_TARGETS) + extra
-    if target and not any(target == a or (a.endswith(".*") and target.startswith(a[:-1])) for a in allowed):
-        raise UserError(f"_target_ {target!r} is not trusted: add its package to {TRUSTED_ENV} "
-                        f"(e.g. {TRUSTED_ENV}='{target.rsplit('.', 1)[0]}.*')")
-    return instantiate(node, _execution_whitelist_=allowed)
-
-
-def evaluate_output(cfg: DictConfig, output: str) -> float:
-    return float(build(cfg.evaluator).evaluate(output))
-
-
-def task(cfg: DictConfig) -> float:
+def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     """Run one trial: inject this config's params into the command, run it, return its score."""
-    from hydra.core.hydra_config import HydraConfig
-    from zenithtune.evaluate import NoMetric, peak_memory_mb
-
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    argv, env = compose(cfg)
+    argv, env = compose(conf)
     log_path = out_dir / TRIAL_LOG
-    if cfg.get("validate_in_task"):  # a sweeper that cannot screen before launch drives us
-        from zenithtune.job import screen_params
-
-        problem = screen_params(cfg)
+    if conf.validate_in_task:  # a sweeper that cannot screen before launch drives us
+        problem = screen_params(conf)
         if problem:
-            (out_dir / TRIAL_INFO).write_text(json.dumps({"argv": argv, "env": env, "score": None,
-                                                          "failure": {"kind": "invalid_args", "reason": problem}}))
-            raise TrialFailure("invalid_args", f"not launched: {problem}")
+            write_run(out_dir / TRIAL_INFO, Launched(None, FailureKind.INVALID_ARGS.value, problem, argv=argv, env=env))
+            raise TrialFailure(FailureKind.INVALID_ARGS.value, f"not launched: {problem}")
+    evaluator = build(conf.evaluator)
     started = time.time()
-    res = run(argv, log_path=log_path, timeout=_timeout(cfg), env=env,
-              echo=(lambda line: print(line, flush=True)) if cfg.get("echo") else None)
-    info: dict[str, Any] = {
-        "argv": argv, "env": env, "returncode": res.returncode, "duration": res.duration,
-        "started": started, "log": str(log_path), "timeout": _timeout(cfg),
-        "peak_memory_mb": peak_memory_mb(res.output),
-    }
+    res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
+              echo=(lambda line: print(line, flush=True)) if conf.echo else None)
     failure = classify(res)
     score = None
     if res.interrupted:
         failure = (FailureKind.INTERRUPTED, "interrupted by the user (Ctrl-C)")
     if failure is None:
         try:
-            score = evaluate_output(cfg, res.output)
+            score = float(evaluator.evaluate(res.output))
         except NoMetric as e:
             failure = (FailureKind.NO_METRIC, str(e))
-    info["score"] = score
-    if failure is not None:
-        info["failure"] = {"kind": failure[0].value, "reason": failure[1]}
-    (out_dir / TRIAL_INFO).write_text(json.dumps(info, indent=1))
+    peak = peak_memory_mb(res.output)
+    report = Launched(score, failure[0].value if failure else None, failure[1] if failure else "",
+                      duration=res.duration if res.duration is not None else time.time() - started,
+                      measured_gb=peak / 1024.0 if peak else None, argv=argv, env=env, log=str(log_path))
+    write_run(out_dir / TRIAL_INFO, report)
     if res.interrupted:
         raise KeyboardInterrupt
     if failure is not None:
         raise TrialFailure(failure[0].value, failure[1], str(log_path))
-    return float(score)  # type: ignore[arg-type]
+    assert score is not None  # set whenever there is no failure
+    return score
 
 
-def single_run(cfg: DictConfig) -> int:
+def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
     """A single (non -m) run: apply the config's params once, stream the output, return the exit code."""
-    from hydra.core.hydra_config import HydraConfig
-    from zenithtune.evaluate import NoMetric
-
-    for key in ("n_gpus", "gbs"):
-        if OmegaConf.is_missing(cfg, key):
-            raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
-    if not trial_params(cfg):
-        raise UserError("nothing to apply: pass tuned=NAME (a conf/tuned/NAME.yaml) or params.tp=... ; "
-                        "add -m to run a study instead")
-    argv, env = compose(cfg)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    if not trial_params(conf):
+        raise UserError("nothing to apply: a study needs -m (python -m zenithtune -m n_gpus=8 gbs=64); "
+                        "a single run needs tuned=NAME (a conf/tuned/NAME.yaml) or +params.tp=... values")
+    argv, env = compose(conf)
     out_dir.mkdir(parents=True, exist_ok=True)
     print("zenithtune: running " + shlex.join(argv), flush=True)
     for k, v in env.items():
         print(f"zenithtune: with {k}={v}", flush=True)
-    res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=_timeout(cfg), env=env,
+    evaluator = build(conf.evaluator)
+    res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
               echo=lambda line: print(line, flush=True))
     if res.interrupted:
         return 130
     if res.returncode == 0:
         try:
-            score = evaluate_output(cfg, res.output)
+            score = evaluator.evaluate(res.output)
             print(f"zenithtune: score {score:g} (log: {out_dir / TRIAL_LOG})", flush=True)
         except NoMetric:
             pass
     return 124 if res.timed_out else int(res.returncode or 0)
-
-
-def environ_command() -> list[str] | None:
-    raw = os.environ.get(resolvers.COMMAND_ENV)
-    return None if raw is None else json.loads(raw)
-
-
-def fail(message: str, code: int = 2) -> None:
-    print(f"zenithtune: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)

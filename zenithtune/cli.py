@@ -20,7 +20,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from zenithtune.__main__ import hydra_quote, split_command
+from zenithtune import study as zstudy
+from zenithtune.errors import UserError, ZenithtuneError
+from zenithtune.overrides import hydra_quote, key as _key, merge as _merge, remember_invocation, split_command
+from zenithtune.overrides import value as _param_value
+from zenithtune.settings import group_choices as _group_names
 
 # Keys of a study's own overrides that `apply` does not replay: they steer the search, not the run
 # (a trial's timeout must not cut the long training run a user applies the result to).
@@ -32,9 +36,6 @@ STRATEGY_ALIASES = {"megatron-staged-blackbox": "staged_blackbox", "megatron-heu
 # config.yaml keys that are not `--args` material (the command, the per-trial params, Hydra's own).
 _NOT_ARGS = ("defaults", "hydra", "params", "command", "default_command")
 
-# How this process was invoked, for the resume hint the sweeper prints after Ctrl-C.
-_invocation: list[str] | None = None
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line (exit 2), pointing at --help."""
@@ -44,16 +45,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # --- what conf/ offers ---------------------------------------------------------------------------
-def _group_names(group: str) -> list[str]:
-    """Choices of a config group: ours (shipped in the package) and the user's ./conf/<group>/."""
-    ours = resources.files("zenithtune.conf").joinpath(group)
-    names = {p.name[:-5] for p in ours.iterdir() if p.name.endswith(".yaml")} if ours.is_dir() else set()
-    local = Path.cwd() / "conf" / group
-    if local.is_dir():
-        names |= {p.stem for p in local.glob("*.yaml")}
-    return sorted(names)
-
-
 def config_keys() -> list[str]:
     import yaml
 
@@ -67,14 +58,14 @@ def strategy_name(value: str) -> str:
     known = _group_names("strategy")
     if name not in known:
         seed = [a for a, n in STRATEGY_ALIASES.items() if n in known]
-        raise ValueError(f"--strategy {value!r} is not a strategy: choose one of {', '.join(known + seed)}")
+        raise UserError(f"--strategy {value!r} is not a strategy: choose one of {', '.join(known + seed)}")
     return name
 
 
 def preset_name(value: str) -> str:
     known = _group_names("preset")
     if value not in known:
-        raise ValueError(f"--preset {value!r} is not a preset: choose one of {', '.join(known)}")
+        raise UserError(f"--preset {value!r} is not a preset: choose one of {', '.join(known)}")
     return value
 
 
@@ -86,37 +77,17 @@ def parse_kv(text: str) -> list[tuple[str, str]]:
     for part in re.split(r",(?=\s*[A-Za-z_][\w.]*=)", text.strip()):
         key, eq, value = part.strip().partition("=")
         if not eq or not key:
-            raise ValueError(f"--args {text!r}: {part!r} is not key=value (e.g. --args n_gpus=8,gbs=64)")
+            raise UserError(f"--args {text!r}: {part!r} is not key=value (e.g. --args n_gpus=8,gbs=64)")
         if key not in known:
-            raise ValueError(f"--args: unknown key {key!r}; known keys: {', '.join(known)}")
+            raise UserError(f"--args: unknown key {key!r}; known keys: {', '.join(known)}")
         pairs.append((key, value.strip()))
     return pairs
-
-
-def storage_value(db: str) -> str:
-    """--db-path: a study.db file, the study folder holding one, or any Optuna storage URL."""
-    if "://" in db:
-        return db
-    path = Path(db).expanduser().resolve()
-    if path.is_dir():
-        path = path / "study.db"
-    return str(path)
-
-
-def _key(override: str) -> str:
-    return override.lstrip("+~").partition("=")[0]
-
-
-def _merge(base: list[str], later: list[str]) -> list[str]:
-    """`base` then `later`; a key set in `later` drops its earlier value (group overrides may not repeat)."""
-    keys = {_key(o) for o in later}
-    return [o for o in base if _key(o) not in keys] + later
 
 
 def _overrides(values: Sequence[str]) -> list[str]:
     for o in values:
         if "=" not in o and not o.startswith("~"):
-            raise ValueError(f"{o!r} is neither an option nor a Hydra override (key=value)")
+            raise UserError(f"{o!r} is neither an option nor a Hydra override (key=value)")
     return list(values)
 
 
@@ -144,7 +115,7 @@ def optimize_overrides(ns: argparse.Namespace) -> list[str]:
     if ns.timeout_dynamic_floor is not None:
         out.append(f"timeout_dynamic_floor={ns.timeout_dynamic_floor:g}")
     if ns.db_path:
-        out.append(f"storage={hydra_quote(storage_value(ns.db_path))}")
+        out.append(f"storage={hydra_quote(zstudy.where(zstudy.storage_url(ns.db_path)))}")
     if ns.output_dir:
         out.append("hydra.sweep.dir=" + hydra_quote(f"{Path(ns.output_dir).expanduser()}/study_${{zt.started:%Y%m%d_%H%M%S}}"))
     if ns.study_name:
@@ -157,26 +128,12 @@ def optimize_overrides(ns: argparse.Namespace) -> list[str]:
 
 
 # --- apply ---------------------------------------------------------------------------------------
-def _param_value(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return hydra_quote(str(v))
-
-
 def _load_best(db: str, study_name: str | None) -> tuple[Any, Any, str]:
-    from zenithtune import study as zstudy
-
-    url = zstudy.storage_url(storage_value(db))
-    path = zstudy.db_path(url)
-    if path is not None and not path.is_file():
-        raise ValueError(f"--db-path {db}: no such study database ({path})")
-    name = study_name or zstudy.only_study_name(url)
-    study = zstudy.open_study(url, name, "maximize", create=False)
+    study, url = zstudy.load_existing(db, study_name)
     best = zstudy.best_trial(study)
     if best is None:
-        raise ValueError(f"{url} has no completed trial yet: nothing to apply (zenithtune analyze {db} shows why)")
+        raise UserError(f"{zstudy.where(url)} has no completed trial yet: nothing to apply "
+                        f"(zenithtune analyze {db} shows why)")
     return study, best, url
 
 
@@ -186,66 +143,35 @@ def apply_overrides(ns: argparse.Namespace, command: list[str] | None) -> tuple[
     if ns.tuned:
         if ns.tuned not in _group_names("tuned"):
             known = _group_names("tuned")
-            raise ValueError(f"--tuned {ns.tuned!r}: no conf/tuned/{ns.tuned}.yaml in {Path.cwd()}"
+            raise UserError(f"--tuned {ns.tuned!r}: no conf/tuned/{ns.tuned}.yaml in {Path.cwd()}"
                              + (f"; found: {', '.join(known)}" if known else
                                 "; write one with zenithtune optimize ... --save-tuned NAME"))
         return _merge([f"tuned={ns.tuned}"], user), command, f"tuned config {ns.tuned}"
-    from zenithtune import study as zstudy
-
     study, best, url = _load_best(ns.db_path, ns.study_name)
     meta = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
     replay = [o for o in meta.get("overrides", []) if _key(o) not in STUDY_ONLY and not _key(o).startswith("params.")]
     if not meta:  # a study from before the sweeper stored its overrides: best.yaml knows the shape
         replay = _best_yaml_shape(url)
-    cand = best.user_attrs.get("candidate") or dict(best.params)
+    cand = best.candidate
     params = [f"++params.{k}={_param_value(v)}" for k, v in cand.items()]
     if command is None and meta.get("command"):
         command = list(meta["command"])
     from zenithtune.progress import describe
-    from zenithtune.study import db_path
 
-    where = db_path(url) or url
-    what = f"trial {best.number} of {where} ({best.value:g} {meta.get('metric', '')}".rstrip() + f"): {describe(cand)}"
+    where = zstudy.where(url)
+    what = f"trial {best.trial_number} of {where} ({best.value:g} {meta.get('metric', '')}".rstrip() + f"): {describe(cand)}"
     return _merge(replay + params, user), command, what
 
 
 def _best_yaml_shape(url: str) -> list[str]:
     import yaml
 
-    from zenithtune.study import db_path
-
-    path = db_path(url)
+    path = zstudy.db_path(url)
     best = path.parent / "best.yaml" if path else None
     if best is None or not best.is_file():
         return []
     data = yaml.safe_load(best.read_text()) or {}
     return [f"{k}={data[k]}" for k in ("n_gpus", "gbs") if k in data]
-
-
-# --- the hint after Ctrl-C ----------------------------------------------------------------------
-def resume_command(url: str, task_overrides: Sequence[str], hydra_overrides: Sequence[str],
-                   command: Sequence[str] | None) -> str:
-    """A command a user can paste to continue an interrupted study, in the syntax they typed."""
-    from zenithtune.study import db_path
-
-    where = str(db_path(url) or url)
-    tail = f" -- {shlex.join(command)}" if command else ""
-    if _invocation is not None:
-        args, skip = [], False
-        for a in _invocation:
-            if skip:
-                skip = False
-                continue
-            if a in ("--db-path", "--output-dir"):
-                skip = True
-                continue
-            if a.startswith(("--db-path=", "--output-dir=")):
-                continue
-            args.append(a)
-        return shlex.join(["zenithtune", *args, "--db-path", where]) + tail
-    keep = [o for o in task_overrides if _key(o) != "storage"]
-    keep += [o for o in hydra_overrides if _key(o) not in ("hydra.searchpath", "hydra.sweep.dir", "hydra.mode")]
-    return shlex.join(["python", "-m", "zenithtune", "-m", *keep, f"storage={hydra_quote(where)}"]) + tail
 
 
 # --- the parser ----------------------------------------------------------------------------------
@@ -363,7 +289,6 @@ def hydra_command(overrides: Sequence[str], command: Sequence[str] | None) -> st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global _invocation
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command = split_command(argv)
     parser = build_parser()
@@ -381,24 +306,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             sub.error("analyze takes no command after `--`")
         from zenithtune.analyze import analyze
 
-        return analyze(ns.db_path, study_name=ns.study_name, plots=not ns.no_plots, show_all=ns.all)
+        try:
+            return analyze(ns.db_path, study_name=ns.study_name, plots=not ns.no_plots, show_all=ns.all)
+        except ZenithtuneError as e:
+            sub.error(str(e))
     try:
         if ns.subcommand == "optimize":
             overrides, what = optimize_overrides(ns), None
         else:
             overrides, command, what = apply_overrides(ns, command)
-    except ValueError as e:
+    except ZenithtuneError as e:
         sub.error(str(e))
     if ns.dry_run:
         print(hydra_command(overrides, command))
         return 0
     if what:
         print(f"zenithtune: applying {what}", flush=True)
-    if ns.subcommand == "optimize":
-        _invocation = own
     from zenithtune.__main__ import main as zenithtune_main
 
-    return zenithtune_main(overrides + (["--", *command] if command else []))
+    with remember_invocation(own if ns.subcommand == "optimize" else None):
+        return zenithtune_main(overrides + (["--", *command] if command else []))
 
 
 if __name__ == "__main__":

@@ -1,126 +1,27 @@
-"""Everything a study needs that is fixed for its whole life, built once from the config.
+"""Everything a study needs that is fixed for its whole life, built once from the typed config.
 
-`build_job(cfg)` checks the user's input (one clear line per problem), resolves the model shape,
-the GPU memory, the search space, the strategy, the evaluator and the memory model. The sweeper asks
-`Job` for memory predictions, pruning and per-trial timeouts, and feeds it every outcome.
+`build_job(conf)` checks the user's input (one clear line per problem), resolves the model shape, the
+GPU memory, the search space, the strategy, the evaluator and the memory model. The study loop asks
+`Job` for memory predictions and feeds it every outcome so the memory model learns.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
-from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
-
-from zenithtune.app import UserError, build, wrapped_command
+from dataclasses import dataclass
+from zenithtune import modelinfo
+from zenithtune.errors import UserError
+from zenithtune.evaluate import Evaluator
 from zenithtune.inject import find_option
-from zenithtune.space import Context, Space, Survey, mbs_values
-from zenithtune.strategies import Outcome, Strategy
+from zenithtune.memory import MemoryModel, gpu_capacity_gb
+from zenithtune.record import Outcome
+from zenithtune.run import FailureKind, command_problem
+from zenithtune.settings import TimeoutPolicy, ZenithtuneConf, build, timeouts, trial_params, wrapped_command
+from zenithtune.space import Candidate, Context, Space, Survey, mbs_values
+from zenithtune.strategies import Strategy
 
 # Memory of the GPUs the built-in simulator can play (`--sim-gpu`), as PyTorch reports it (GiB), so a
 # simulated study needs no gpu_memory_gb.
 SIM_GPU_MEMORY_GB = {"h100": 79.1, "h200": 139.7, "a100-80g": 79.2, "a100-40g": 39.4}
-
-
-@dataclass
-class Job:
-    cfg: DictConfig
-    command: list[str]
-    ctx: Context
-    space: Space
-    survey: Survey
-    strategy: Strategy
-    evaluator: Any
-    memory: Any  # zenithtune.memory.MemoryModel
-    memory_source: str
-    predicted_oom_count: int = 0
-    durations: list[float] = field(default_factory=list)  # successful trials' wall times
-
-    # --- memory ------------------------------------------------------------------------------------
-    def _mem_kw(self, cand: dict) -> dict:
-        return {"distributed_optimizer": self.ctx.distributed_optimizer,
-                "vit_checkpointing": self.space.vit_checkpointing(cand)}
-
-    def predict_gb(self, cand: dict) -> float | None:
-        if self.memory is None:
-            return None
-        return self.memory.predict(self.space.layout(cand), self.ctx.model, **self._mem_kw(cand))
-
-    def predicted_oom(self, cand: dict) -> str | None:
-        if self.memory is None:
-            return None
-        return self.memory.predicted_oom(self.space.layout(cand), self.ctx.model, **self._mem_kw(cand))
-
-    def observe(self, o: Outcome) -> None:
-        """Learn from a launched trial: memory evidence and (for dynamic timeouts) its duration."""
-        if not o.launched:
-            return
-        lay = self.space.layout(o.candidate)
-        kw = self._mem_kw(o.candidate)
-        if self.memory is not None:
-            if o.state == "complete":
-                self.memory.observe_success(lay, self.ctx.model, o.measured_gb, **kw)
-            elif o.kind == "oom":
-                self.memory.observe_oom(lay, self.ctx.model, **kw)
-        if o.state == "complete" and o.duration:
-            self.durations.append(float(o.duration))
-
-    # --- timeouts ----------------------------------------------------------------------------------
-    def trial_timeout(self) -> float | None:
-        """Fixed `timeout`, or with `timeout_dynamic`: factor x the fastest successful trial's wall
-        time, at least the floor, never above the fixed timeout. No limit before a first success."""
-        fixed = self.cfg.get("timeout")
-        fixed = float(fixed) if fixed else None
-        if not self.cfg.get("timeout_dynamic") or not self.durations:
-            return fixed
-        dyn = max(float(self.cfg.get("timeout_dynamic_floor", 60.0)),
-                  float(self.cfg.get("timeout_dynamic_factor", 3.0)) * min(self.durations))
-        return min(dyn, fixed) if fixed else dyn
-
-    @property
-    def strategy_name(self) -> str:
-        """The name the user selects (strategy=heuristic), not the class behind it."""
-        return (OmegaConf.select(self.cfg, "hydra.runtime.choices.strategy", default=None)
-                or type(self.strategy).__name__)
-
-    # --- results -----------------------------------------------------------------------------------
-    def tuned_yaml(self, best: Any, study: str, name: str | None) -> str:
-        from zenithtune.inject import inject
-        from zenithtune.study import tuned_yaml
-
-        cand = best.user_attrs.get("candidate") or dict(best.params)
-        # The command as the user wrote it, with the tuned options taken out (they live in params).
-        plain = inject(self.command, {o: None for o in self.space.options(cand)})
-        strategy = self.strategy_name
-        model = self.cfg.get("model") or (self.ctx.model.name if self.ctx.model.name != "command" else None)
-        return tuned_yaml(params=cand, n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs, score=best.value,
-                          metric=self.evaluator.metric_name, trial=best.number, study=study,
-                          strategy=strategy, model=model,
-                          command=plain, name=name)
-
-
-def _positive_int(cfg: DictConfig, key: str, example: str) -> int:
-    if OmegaConf.is_missing(cfg, key):
-        raise UserError(f"{key} is required: add {key}=N to the command line (e.g. {example})")
-    value = cfg.get(key)
-    try:
-        n = int(value)
-        if n != float(value) or n <= 0:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise UserError(f"{key}={value!r} must be a positive whole number (e.g. {example})") from None
-    return n
-
-
-def gpu_memory(cfg: DictConfig, command: list[str]) -> tuple[float, str]:
-    from zenithtune.memory import gpu_capacity_gb
-
-    if cfg.get("gpu_memory_gb"):
-        return float(cfg.gpu_memory_gb), "gpu_memory_gb"
-    sim_gpu = find_option(command, "--sim-gpu")
-    if isinstance(sim_gpu, str) and sim_gpu.lower() in SIM_GPU_MEMORY_GB:
-        return SIM_GPU_MEMORY_GB[sim_gpu.lower()], f"--sim-gpu {sim_gpu}"
-    return gpu_capacity_gb(None), "nvidia-smi or the 80 GB default"
 
 
 @dataclass
@@ -130,78 +31,110 @@ class Setting:
     command: list[str]
     ctx: Context
     space: Space
-    memory: Any  # zenithtune.memory.MemoryModel
-    memory_source: str
+    memory: MemoryModel
+    memory_source: str  # where the GPU's capacity came from, for the report
+
+    def predict_gb(self, cand: Candidate) -> float | None:
+        return self.memory.predict(**self.space.memory_args(cand))
+
+    def predicted_oom(self, cand: Candidate) -> str | None:
+        return self.memory.predicted_oom(**self.space.memory_args(cand))
+
+    def screen(self, cand: Candidate) -> list[tuple[str, str]]:
+        """(rule, reason) pairs that keep a candidate from being launched: Megatron's rules, then
+        the memory estimate. Empty: launch it."""
+        broken = self.space.reasons(cand)
+        if broken:
+            return broken
+        oom = self.predicted_oom(cand)
+        return [("predicted_oom", oom)] if oom else []
 
 
-def build_setting(cfg: DictConfig, *, quiet: bool = False) -> Setting:
-    from zenithtune import modelinfo
-    from zenithtune.memory import MemoryModel
-    from zenithtune.run import command_problem
+@dataclass
+class Job(Setting):
+    """A study's setting plus what searches it: the strategy, the evaluator, the time limits."""
 
-    n_gpus = _positive_int(cfg, "n_gpus", "n_gpus=8 gbs=64")
-    gbs = _positive_int(cfg, "gbs", "n_gpus=8 gbs=64")
-    mbs_max = _positive_int(cfg, "mbs_max", "mbs_max=8")
-    _positive_int(cfg, "n_trials", "n_trials=50")
-    if not mbs_values(mbs_max, gbs):
-        raise UserError(f"gbs={gbs} is not divisible by any micro-batch size 1..{mbs_max}")
-    command = wrapped_command(cfg)
+    conf: ZenithtuneConf
+    survey: Survey
+    strategy: Strategy
+    evaluator: Evaluator
+    timeouts: TimeoutPolicy
+    strategy_name: str = ""  # as the user selects it (strategy=heuristic), not the class behind it
+    predicted_oom_count: int = 0
+
+    def observe(self, o: Outcome) -> None:
+        """Learn from a launched trial's memory evidence."""
+        if not o.launched:
+            return
+        args = self.space.memory_args(o.candidate)
+        if o.state == "complete":
+            self.memory.observe_success(measured_peak_gb=o.measured_gb, **args)
+        elif o.kind == FailureKind.OOM.value:
+            self.memory.observe_oom(**args)
+
+
+def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:
+    if conf.gpu_memory_gb:
+        return float(conf.gpu_memory_gb), "gpu_memory_gb"
+    sim_gpu = find_option(command, "--sim-gpu")
+    if isinstance(sim_gpu, str) and sim_gpu.lower() in SIM_GPU_MEMORY_GB:
+        return SIM_GPU_MEMORY_GB[sim_gpu.lower()], f"--sim-gpu {sim_gpu}"
+    return gpu_capacity_gb(None), "nvidia-smi or the 80 GB default"
+
+
+def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
+    if not mbs_values(conf.mbs_max, conf.gbs):
+        raise UserError(f"gbs={conf.gbs} is not divisible by any micro-batch size 1..{conf.mbs_max}")
+    command = wrapped_command(conf)
     problem = command_problem(command)
     if problem:
         raise UserError(problem)
-    explicit = {k: cfg.get(k) for k in ("num_layers", "num_query_groups", "seq_length") if cfg.get(k) is not None}
-    model = modelinfo.resolve(explicit=explicit, argv=command, model=cfg.get("model"))
+    explicit = {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length")
+                if getattr(conf, k) is not None}
+    model = modelinfo.resolve(explicit=explicit, argv=command, model=conf.model)
     from_cmd = modelinfo.from_argv(command)
     for key, value in explicit.items():
         theirs = getattr(from_cmd, key, None)
         if not quiet and theirs is not None and int(theirs) != int(value):
             print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
                   f"the command's value is what the trainer will run with", file=sys.stderr)
-    capacity, source = gpu_memory(cfg, command)
-    preset = OmegaConf.to_container(cfg.preset, resolve=True)
-    ctx = Context(n_gpus=n_gpus, gbs=gbs, model=model, mbs_max=mbs_max,
-                  gpus_per_node=int(cfg.get("gpus_per_node") or 8), gpu_memory_gb=capacity,
+    capacity, source = gpu_memory(conf, command)
+    ctx = Context(n_gpus=conf.n_gpus, gbs=conf.gbs, model=model, mbs_max=conf.mbs_max,
+                  gpus_per_node=conf.gpus_per_node, gpu_memory_gb=capacity,
                   distributed_optimizer=bool(find_option(command, "--use-distributed-optimizer")),
-                  vlm_full_uniform_only=bool(preset.get("vlm_full_uniform_only", True)))
-    space = Space.from_preset(preset, ctx)
+                  vlm_full_uniform_only=bool(conf.preset.get("vlm_full_uniform_only", True)))
+    space = Space.from_preset(conf.preset, ctx)
     # Megatron's default attention (flash / fused) never stores the s x s scores; the unfused and
     # local backends do, which changes the activation estimate.
     flash = find_option(command, "--attention-backend") not in ("unfused", "local")
-    memory = MemoryModel(capacity, safety_margin=float(cfg.get("memory_safety_margin", 0.02)),
+    memory = MemoryModel(capacity, safety_margin=conf.memory_safety_margin,
                          distributed_optimizer=ctx.distributed_optimizer, flash_attention=flash)
     return Setting(command, ctx, space, memory, source)
 
 
-def screen_params(cfg: DictConfig) -> str | None:
+def screen_params(conf: ZenithtuneConf) -> str | None:
     """Why this config's params must not be launched (rules, predicted OOM), or None.
 
     Used by the entry function when a sweeper that cannot screen before launch drives it
     (the stock `hydra/sweeper=optuna` baseline): the trial then fails fast instead of running."""
-    st = build_setting(cfg, quiet=True)
-    cand = {str(k): v for k, v in OmegaConf.to_container(cfg.params, resolve=True).items() if v is not None}
-    cand = st.space.normalize(cand)
-    broken = st.space.reasons(cand)
-    if broken:
-        return "; ".join(f"{rule}: {why}" for rule, why in broken)
-    return st.memory.predicted_oom(st.space.layout(cand), st.ctx.model,
-                                   distributed_optimizer=st.ctx.distributed_optimizer,
-                                   vit_checkpointing=st.space.vit_checkpointing(cand))
+    st = build_setting(conf, quiet=True)
+    broken = st.screen(st.space.normalize(trial_params(conf)))
+    return "; ".join(f"{rule}: {why}" for rule, why in broken) or None
 
 
-def build_job(cfg: DictConfig) -> Job:
-    st = build_setting(cfg)
-    command, ctx, space, memory, source = st.command, st.ctx, st.space, st.memory, st.memory_source
-    n_gpus, gbs = ctx.n_gpus, ctx.gbs
+def build_job(conf: ZenithtuneConf, strategy_name: str | None = None) -> Job:
+    st = build_setting(conf)
     survey = Survey()
-    valid = list(space.walk(survey))
+    valid = list(st.space.walk(survey))
     if not valid:
         top = "; ".join(f"{rule} removed {n} (e.g. {survey.reasons[rule]})"
                         for rule, n in survey.removed.most_common(3))
         hint = " Choose a gbs that the data-parallel sizes divide." if "gbs" in survey.removed else ""
-        raise UserError(f"no valid configuration for n_gpus={n_gpus}, gbs={gbs}: {top}.{hint}")
-    strategy = build(cfg.strategy)
-    evaluator = build(cfg.evaluator)
-    job = Job(cfg=cfg, command=command, ctx=ctx, space=space, survey=survey, strategy=strategy,
-              evaluator=evaluator, memory=memory, memory_source=source)
+        raise UserError(f"no valid configuration for n_gpus={conf.n_gpus}, gbs={conf.gbs}: {top}.{hint}")
+    strategy = build(conf.strategy)
+    job = Job(command=st.command, ctx=st.ctx, space=st.space, memory=st.memory, memory_source=st.memory_source,
+              conf=conf, survey=survey, strategy=strategy, evaluator=build(conf.evaluator),
+              timeouts=timeouts(conf), strategy_name=strategy_name or type(strategy).__name__)
     job.predicted_oom_count = sum(1 for c in valid if job.predicted_oom(c))
     return job
+

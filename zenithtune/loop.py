@@ -10,26 +10,19 @@ simulator in-process. Both run this same loop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
 
-from zenithtune.strategies import Outcome, Proposal, Strategy
+from zenithtune import record
+from zenithtune.job import Job
+from zenithtune.record import Attr, Launched, Outcome
+from zenithtune.run import FailureKind
+from zenithtune.strategies import Proposal
 
-
-@dataclass
-class Launched:
-    """What a launch function reports for one trial."""
-
-    value: float | None  # the score; None when the trial failed
-    kind: str | None = None  # failure kind when value is None
-    reason: str = ""
-    duration: float | None = None  # wall seconds of the run
-    measured_gb: float | None = None  # peak memory the run printed
-    attrs: dict[str, Any] = field(default_factory=dict)  # argv, env, log ... stored on the trial
-
+__all__ = ["Callbacks", "LaunchFn", "Launched", "StudyLoop"]
 
 LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, candidate, timeout) -> result
 
@@ -43,7 +36,7 @@ class Callbacks:
 
 
 class StudyLoop:
-    def __init__(self, job: Any, study: optuna.Study, launch: LaunchFn, callbacks: Callbacks | None = None,
+    def __init__(self, job: Job, study: optuna.Study, launch: LaunchFn, callbacks: Callbacks | None = None,
                  max_consecutive_skips: int = 300):
         self.job = job
         self.study = study
@@ -52,26 +45,32 @@ class StudyLoop:
         self.max_consecutive_skips = max_consecutive_skips
         self.measured: dict[tuple, Outcome] = {}
         self.outcomes: list[Outcome] = []
+        self.durations: list[float] = []  # successful trials' wall times (dynamic timeouts)
 
     def start(self, prior: list[Outcome]) -> None:
         """Hand the strategy and the job what a resumed study already knows."""
         # An interrupted trial (Ctrl-C, or the tuner died) measured nothing: the strategy does not see
         # it and the duplicate check does not count it, so the candidate may be launched again.
-        prior = [o for o in prior if o.kind != "interrupted"]
-        strategy: Strategy = self.job.strategy
+        prior = [o for o in prior if o.kind != FailureKind.INTERRUPTED.value]
+        strategy = self.job.strategy
         strategy.direction = self.job.evaluator.direction
         strategy.setup(self.job.space, self.job.memory, prior)
         for o in prior:
-            self.job.observe(o)
-            if o.launched:
-                self.measured[self.job.space.key(o.candidate)] = o
+            self._learn(o)
+
+    def _learn(self, o: Outcome) -> None:
+        self.job.observe(o)
+        if o.launched:
+            self.measured[self.job.space.key(o.candidate)] = o
+            if o.ok and o.duration:
+                self.durations.append(float(o.duration))
 
     def run(self, n_trials: int, launched: int = 0, fail_fast: int = 0) -> str:
         """Propose and launch until n_trials are launched in all; returns why it stopped.
 
         With fail_fast=k, stop when the first k launches of the study all failed: a broken command
         should cost k trials, not n_trials."""
-        strategy: Strategy = self.job.strategy
+        strategy = self.job.strategy
         skips = 0
         while launched < n_trials:
             proposal = strategy.ask()
@@ -84,7 +83,7 @@ class StudyLoop:
                 strategy.tell(outcome)
                 self.cb.skipped(outcome)
                 skips += 1
-                if skips >= self.max_consecutive_skips:
+                if self.max_consecutive_skips and skips >= self.max_consecutive_skips:
                     return (f"{skips} proposals in a row could not be launched "
                             f"(invalid, predicted OOM or already measured)")
                 continue
@@ -92,8 +91,7 @@ class StudyLoop:
             launched += 1
             outcome = self._launch(trial, cand, proposal, launched)
             self.outcomes.append(outcome)
-            self.measured[self.job.space.key(cand)] = outcome
-            self.job.observe(outcome)
+            self._learn(outcome)
             strategy.tell(outcome)
             self.cb.result(outcome, launched)
             if fail_fast and launched == fail_fast and not any(o.ok for o in self.measured.values()):
@@ -111,11 +109,11 @@ class StudyLoop:
         cand = space.suggest(trial, names=names)
         if proposal.complete is not None:
             cand = space.normalize({**proposal.complete(dict(cand)), **cand})
-        trial.set_user_attr("candidate", cand)
+        trial.set_user_attr(Attr.CANDIDATE, cand)
         if proposal.stage:
-            trial.set_user_attr("stage", proposal.stage)
+            trial.set_user_attr(Attr.STAGE, proposal.stage)
         if proposal.why:
-            trial.set_user_attr("why", proposal.why)
+            trial.set_user_attr(Attr.WHY, proposal.why)
         return trial, cand
 
     def _screen(self, trial: optuna.Trial, cand: dict, proposal: Proposal) -> Outcome | None:
@@ -123,64 +121,51 @@ class StudyLoop:
         job = self.job
         predicted = job.predict_gb(cand)
         if predicted is not None:
-            trial.set_user_attr("predicted_gb", round(predicted, 2))
-        broken = job.space.reasons(cand)
-        if not broken:
-            oom = job.predicted_oom(cand)
-            if oom and proposal.probe_memory:
-                trial.set_user_attr("memory_probe", oom)  # launched on purpose; the outcome teaches the estimate
-            elif oom:
-                broken = [("predicted_oom", oom)]
+            trial.set_user_attr(Attr.PREDICTED_GB, round(predicted, 2))
+        broken = job.screen(cand)
+        if broken and broken[0][0] == "predicted_oom" and proposal.probe_memory:
+            trial.set_user_attr(Attr.MEMORY_PROBE, broken[0][1])  # launched on purpose; the outcome teaches
+            broken = []
         dup = self.measured.get(job.space.key(cand))
         if not broken and dup is not None:
             broken = [("duplicate", f"already measured as trial {dup.trial_number}")]
-            trial.set_user_attr("duplicate_of", dup.trial_number)
+            trial.set_user_attr(Attr.DUPLICATE_OF, dup.trial_number)
         if not broken:
             return None
-        trial.set_user_attr("launched", False)
-        trial.set_user_attr("rules", [r for r, _ in broken])
-        trial.set_user_attr("reasons", [why for _, why in broken])
+        outcome = Outcome(candidate=cand, state="pruned", reasons=[w for _, w in broken], rules=[r for r, _ in broken],
+                          predicted_gb=predicted, trial_number=trial.number, stage=proposal.stage, why=proposal.why)
+        record.store(trial, outcome)
         self.study.tell(trial, state=TrialState.PRUNED)
-        return Outcome(candidate=cand, state="pruned", reasons=[w for _, w in broken], rules=[r for r, _ in broken],
-                       predicted_gb=predicted, trial_number=trial.number, stage=proposal.stage)
+        return outcome
 
     def _launch(self, trial: optuna.Trial, cand: dict, proposal: Proposal, n: int) -> Outcome:
-        trial.set_user_attr("launched", True)
+        trial.set_user_attr(Attr.LAUNCHED, True)
         self.cb.launching(trial.number, cand, proposal.why, n)
         started = time.time()
-        limit = self.job.trial_timeout()
-        if limit is not None:
-            trial.set_user_attr("timeout", round(limit, 1))
+        limit = self.job.timeouts.limit(self.durations)
+        outcome = Outcome(candidate=cand, state="failed", launched=True, trial_number=trial.number,
+                          predicted_gb=trial.user_attrs.get(Attr.PREDICTED_GB), stage=proposal.stage,
+                          probe=Attr.MEMORY_PROBE in trial.user_attrs, why=proposal.why,
+                          timeout=None if limit is None else round(limit, 1))
         try:
             res = self.launch(trial.number, cand, limit)
         except KeyboardInterrupt:
-            trial.set_user_attr("kind", "interrupted")
-            trial.set_user_attr("reasons", ["interrupted by the user (Ctrl-C)"])
-            trial.set_user_attr("duration", round(time.time() - started, 3))
+            outcome = replace(outcome, kind=FailureKind.INTERRUPTED.value, duration=time.time() - started,
+                              reasons=["interrupted by the user (Ctrl-C)"])
+            record.store(trial, outcome)
             self.study.tell(trial, state=TrialState.FAIL)
             raise
-        for key, value in res.attrs.items():
-            trial.set_user_attr(key, value)
-        duration = res.duration if res.duration is not None else time.time() - started
-        trial.set_user_attr("duration", round(duration, 3))
-        if res.measured_gb is not None:
-            trial.set_user_attr("measured_gb", round(res.measured_gb, 2))
-        common = dict(candidate=cand, launched=True, duration=duration, trial_number=trial.number,
-                      predicted_gb=trial.user_attrs.get("predicted_gb"), measured_gb=res.measured_gb,
-                      stage=proposal.stage, probe="memory_probe" in trial.user_attrs)
+        outcome = replace(outcome, duration=res.duration if res.duration is not None else time.time() - started,
+                          measured_gb=res.measured_gb, argv=res.argv, env=res.env, log=res.log)
         if res.value is not None:
-            self.study.tell(trial, float(res.value))
-            return Outcome(state="complete", value=float(res.value), **common)
+            outcome = replace(outcome, state="complete", value=float(res.value))
+            record.store(trial, outcome)
+            self.study.tell(trial, outcome.value)
+            return outcome
         reason = res.reason
-        if res.kind == "timeout" and limit is not None and limit != _fixed_timeout(self.job):
+        if res.kind == FailureKind.TIMEOUT.value and self.job.timeouts.is_dynamic_cut(limit):
             reason = f"cut at the dynamic limit {limit:.1f} s (from the fastest success): {reason}"
-        trial.set_user_attr("kind", res.kind or "crash")
-        trial.set_user_attr("reasons", [reason])
+        outcome = replace(outcome, kind=res.kind or FailureKind.CRASH.value, reasons=[reason])
+        record.store(trial, outcome)
         self.study.tell(trial, state=TrialState.FAIL)
-        return Outcome(state="failed", kind=res.kind or "crash", reasons=[reason], **common)
-
-
-def _fixed_timeout(job: Any) -> float | None:
-    cfg = getattr(job, "cfg", None)
-    fixed = cfg.get("timeout") if cfg is not None else None
-    return float(fixed) if fixed else None
+        return outcome

@@ -17,10 +17,12 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from zenithtune.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class ModelInfoError(ValueError):
+class ModelInfoError(UserError):
     """The model's shape could not be resolved; the message is one line naming the fix."""
 
 

@@ -13,12 +13,13 @@ import atexit
 import shlex
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
+from zenithtune import record
+from zenithtune.job import Job
 from zenithtune.loop import Callbacks
-from zenithtune.strategies import Outcome
+from zenithtune.record import Outcome
 
 SHORT = {"recompute_granularity": "recompute", "recompute_method": "method",
          "recompute_num_layers": "layers", "vit_gradient_checkpointing": "vit_ckpt"}
@@ -99,7 +100,7 @@ class Progress(Callbacks):
             self._bar.update(self._task, **kw)
 
     # --- the study ---------------------------------------------------------------------------------
-    def header(self, job: Any, url: str, resumed: int = 0, stale: list[int] | None = None,
+    def header(self, job: Job, url: str, resumed: int = 0, stale: list[int] | None = None,
                best: float | None = None, used: int = 0) -> None:
         """The space report; for a resumed study also its best so far and the launches already used."""
         self.best = best
@@ -153,19 +154,17 @@ class Progress(Callbacks):
         self.line("resume (finished trials are kept, the interrupted one may be retried):")
         self.line(f"  {hint}" if hint else f"  the same command plus storage={url}")
 
-    def footer(self, study: Any, best: Any, why: str) -> None:
+    def footer(self, outcomes: list[Outcome], best: Outcome | None, why: str) -> None:
         self.close()
-        launched = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched")]
-        complete = sum(1 for t in launched if t.state.name == "COMPLETE")
-        failed = Counter(t.user_attrs.get("kind", "?") for t in launched if t.state.name == "FAIL")
-        fails = "".join(f", {n} {k}" for k, n in failed.most_common())
+        launched = record.launched(outcomes)
+        complete = sum(1 for o in launched if o.ok)
+        fails = "".join(f", {n} {k}" for k, n in record.kind_counts(launched).most_common())
         self.line(f"done ({why}): {len(launched)} launched ({complete} complete{fails}), {self.pruned} proposals "
                   f"pruned before launch, {_clock(time.time() - self.start)}")
         if best is not None:
-            cand = best.user_attrs.get("candidate") or best.params
-            self.line(f"best: trial {best.number}  {describe(cand)}  {best.value:g} {self.metric}")
-            if best.user_attrs.get("argv"):
-                self.line(f"  argv: {shlex.join(best.user_attrs['argv'])}")
+            self.line(f"best: trial {best.trial_number}  {describe(best.candidate)}  {best.value:g} {self.metric}")
+            if best.argv:
+                self.line(f"  argv: {shlex.join(best.argv)}")
 
     def wrote(self, path: Path, hint: str | None = None) -> None:
         self.line(f"wrote {path}" + (f"  ({hint})" if hint else ""))

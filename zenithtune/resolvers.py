@@ -25,7 +25,14 @@ def _command(default: Any = None) -> Any:
     return json.loads(raw)
 
 
+def environ_command() -> list[str] | None:
+    """The command given after `--` (None: the config's default command)."""
+    return _command(None)
+
+
 OmegaConf.register_resolver("zt.command", _command, replace=True, annotation_validation="off")
+
+
 def _mkdir(path: str) -> str:
     """Create a folder (e.g. the sweep dir before a stock sweeper opens its sqlite file there)."""
     os.makedirs(path, exist_ok=True)

@@ -258,6 +258,12 @@ class Space:
                 cand[name] = trial.suggest_categorical(name, list(p.choices))
         return self.normalize(cand)
 
+    def memory_args(self, cand: Mapping[str, Any]) -> dict[str, Any]:
+        """What the memory model needs to judge a candidate: `memory.predict(**space.memory_args(c))`."""
+        return {"layout": self.layout(cand), "model": self.ctx.model,
+                "distributed_optimizer": self.ctx.distributed_optimizer,
+                "vit_checkpointing": self.vit_checkpointing(cand)}
+
 
 
 def stock_search_space(cfg: Any, trial: Any) -> None:

@@ -2,33 +2,36 @@
 write best.yaml (and a tuned config when asked)."""
 from __future__ import annotations
 
-import json
+import contextlib
+import io
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobStatus
+import optuna
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from zenithtune import app, study as zstudy
-from zenithtune.app import TrialFailure, UserError, fail
+from zenithtune import record, settings
+from zenithtune import study as zstudy
+from zenithtune.app import TrialFailure
+from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
 from zenithtune.job import Job, build_job
-from zenithtune.loop import Launched, StudyLoop
+from zenithtune.loop import StudyLoop
+from zenithtune.overrides import key, resume_command, value
 from zenithtune.progress import Progress
-
-
-def _override_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+from zenithtune.record import TRIAL_INFO, Launched, Outcome
+from zenithtune.resolvers import environ_command
+from zenithtune.run import FailureKind
+from zenithtune.tuned import tuned_yaml
 
 
 class StudyRunner:
     def __init__(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig,
                  max_consecutive_skips: int) -> None:
-        from hydra.core.plugins import Plugins
-
         self.config = config
         self.max_consecutive_skips = max_consecutive_skips
         self.launcher: Launcher = Plugins.instance().instantiate_launcher(
@@ -36,122 +39,115 @@ class StudyRunner:
         self.arguments: list[str] = []
 
     def sweep(self, arguments: list[str]) -> Any:
-        try:
-            job = build_job(self.config)
-        except ValueError as e:  # UserError, ModelInfoError: one line, no traceback
-            fail(str(e))
-        self.arguments = [a for a in arguments if not a.lstrip("+").startswith("params.")]
+        conf = settings.load(self.config)
+        choices = HydraConfig.get().runtime.choices
+        job = build_job(conf, strategy_name=choices.get("strategy"))
+        self.arguments = [a for a in arguments if not key(a).startswith("params.")]
         return self._run(job)
 
     def _run(self, job: Job) -> Any:
-        cfg = self.config
-        sweep_dir = Path(str(cfg.hydra.sweep.dir)).resolve()
-        url = zstudy.storage_url(str(cfg.storage)) if cfg.get("storage") else zstudy.default_storage(sweep_dir)
+        conf = job.conf
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        url = zstudy.storage_url(conf.storage) if conf.storage else zstudy.default_storage(sweep_dir)
         db = zstudy.db_path(url)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
-        study = zstudy.open_study(url, str(cfg.study_name), job.evaluator.direction, job.strategy.sampler())
+        study = zstudy.open_study(url, conf.study_name, job.evaluator.direction, job.strategy.sampler())
         if study.direction.name.lower() != job.evaluator.direction:
-            fail(f"study {cfg.study_name!r} in {url} was created to {study.direction.name.lower()} but the "
-                 f"evaluator wants to {job.evaluator.direction}: use a new storage")
+            raise UserError(f"study {conf.study_name!r} in {url} was created to {study.direction.name.lower()} but "
+                            f"the evaluator wants to {job.evaluator.direction}: use a new storage")
         stale = zstudy.close_stale(study)
-        prior = zstudy.history(study)
+        prior = record.history(study)
         self._remember(study, job, url)
-        n_trials = int(cfg.n_trials)
-        progress = Progress(total=n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
-        best = zstudy.best_trial(study)
-        progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None,
-                        used=zstudy.launched_count(study))
+        progress = Progress(total=conf.n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
+        best = zstudy.best(prior, job.evaluator.direction)
+        used = record.budget_used(prior)
+        progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None, used=used)
         loop = StudyLoop(job, study, self._launch, progress, self.max_consecutive_skips)
         loop.start(prior)
         try:
-            why = loop.run(n_trials, launched=zstudy.launched_count(study), fail_fast=int(cfg.get("fail_fast") or 0))
+            why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
         except KeyboardInterrupt:
             zstudy.close_stale(study)  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
             progress.interrupted(url, self._resume_hint(url))
-            raise SystemExit(130)
+            raise StudyInterrupted("") from None
         return self._finish(study, job, url, sweep_dir, progress, why)
 
-    def _remember(self, study: Any, job: Job, url: str) -> None:
+    def _remember(self, study: optuna.Study, job: Job, url: str) -> None:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
         and the command as given (None = the config's default command)."""
-        from hydra.core.hydra_config import HydraConfig
-
         before = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
-        for key, now in (("n_gpus", job.ctx.n_gpus), ("gbs", job.ctx.gbs)):
-            if before.get(key) not in (None, now):  # its trials would not be comparable with these
-                fail(f"the study in {zstudy.db_path(url) or url} was made for {key}={before[key]}, this run says "
-                     f"{key}={now}: resume with "
-                     f"{key}={before[key]} or start a new study (another --db-path / storage)")
+        for name, now in (("n_gpus", job.ctx.n_gpus), ("gbs", job.ctx.gbs)):
+            if before.get(name) not in (None, now):  # its trials would not be comparable with these
+                raise UserError(f"the study in {zstudy.where(url)} was made for {name}={before[name]}, this run "
+                                f"says {name}={now}: resume with {name}={before[name]} or start a new study "
+                                f"(another --db-path / storage)")
         choices = HydraConfig.get().runtime.choices
         study.set_user_attr(zstudy.STUDY_ATTR, {
-            "overrides": list(self.arguments), "command": app.environ_command(),
-            "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": self.config.get("model"),
+            "overrides": list(self.arguments), "command": environ_command(),
+            "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": job.conf.model,
             "preset": choices.get("preset"), "strategy": choices.get("strategy"),
             "metric": job.evaluator.metric_name})
 
     def _resume_hint(self, url: str) -> str:
-        from zenithtune.cli import resume_command
-
         ov = self.config.hydra.overrides
-        return resume_command(url, list(ov.task), list(ov.hydra), app.environ_command())
+        return resume_command(zstudy.where(url), list(ov.task), list(ov.hydra), environ_command())
 
     def _launch(self, number: int, cand: dict, timeout: float | None) -> Launched:
-        overrides = list(self.arguments) + [f"++params.{k}={_override_value(v)}" for k, v in cand.items()]
+        overrides = list(self.arguments) + [f"++params.{k}={value(v)}" for k, v in cand.items()]
         if timeout is not None:
             overrides.append(f"timeout={timeout:.1f}")
         ret = self.launcher.launch([overrides], initial_job_idx=number)[0]
-        info = self._trial_info(ret)
-        attrs = {k: info[k] for k in ("argv", "env", "log") if k in info}
-        measured = info["peak_memory_mb"] / 1024.0 if info.get("peak_memory_mb") else None
+        run = self._trial_run(ret) or Launched(None)
         if ret.status == JobStatus.COMPLETED:
-            return Launched(float(ret.return_value), duration=info.get("duration"), measured_gb=measured, attrs=attrs)
-        err = ret._return_value
-        if isinstance(err, KeyboardInterrupt):
-            raise err
-        if isinstance(err, TrialFailure):
-            return Launched(None, err.kind, err.reason, info.get("duration"), measured, attrs)
-        if isinstance(err, UserError):
-            fail(str(err))
-        # A bug or bad config inside the entry function: keep the message, it is the clue.
-        return Launched(None, "crash", f"{type(err).__name__}: {err}", info.get("duration"), measured, attrs)
+            run.value, run.kind, run.reason = float(ret.return_value), None, ""
+            return run
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # Hydra's "Error executing job" line: we report it
+                ret.return_value  # re-raises what the entry function raised
+        except KeyboardInterrupt:
+            raise
+        except TrialFailure as err:
+            run.value, run.kind, run.reason = None, err.kind, err.reason
+        except ZenithtuneError:
+            raise  # a bad value reached the entry function: the study stops with its one line
+        except Exception as err:  # noqa: BLE001  a bug or bad config inside the entry function: the message is the clue
+            run.value, run.kind, run.reason = None, FailureKind.CRASH.value, f"{type(err).__name__}: {err}"
+        return run
 
     @staticmethod
-    def _trial_info(ret: Any) -> dict:
-        try:
-            out_dir = Path(str(ret.hydra_cfg.hydra.runtime.output_dir))
-            return json.loads((out_dir / app.TRIAL_INFO).read_text())
-        except (OSError, ValueError, AttributeError):
-            return {}
+    def _trial_run(ret: JobReturn) -> Launched | None:
+        hydra_cfg = ret.hydra_cfg
+        out_dir = OmegaConf.select(hydra_cfg, "hydra.runtime.output_dir") if hydra_cfg is not None else None
+        return record.read_run(Path(str(out_dir)) / TRIAL_INFO) if out_dir else None
 
-    def _finish(self, study: Any, job: Job, url: str, sweep_dir: Path, progress: Progress, why: str) -> Any:
-        best = zstudy.best_trial(study)
-        launched = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched")]
-        progress.footer(study, best, why)
+    def _finish(self, study: optuna.Study, job: Job, url: str, sweep_dir: Path, progress: Progress,
+                why: str) -> Outcome | None:
+        outcomes = record.history(study)
+        best = zstudy.best(outcomes, job.evaluator.direction)
+        launched = record.launched(outcomes)
+        progress.footer(outcomes, best, why)
         if best is None:
             if why == "interrupted":
                 return None
             if launched:
-                kinds: dict[str, int] = {}
-                for t in launched:
-                    k = t.user_attrs.get("kind", "?")
-                    kinds[k] = kinds.get(k, 0) + 1
-                first_log = next((t.user_attrs.get("log") for t in launched if t.user_attrs.get("log")), None)
-                summary = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items()))
-                fail(f"all {len(launched)} launched trials failed ({summary}); first log: {first_log}", code=1)
-            fail("no candidate could be launched: every proposal was invalid or predicted to run out of memory "
-                 "(see the space report above); check gpu_memory_gb, n_gpus and gbs", code=1)
-        where = str(zstudy.db_path(url) or url)
-        out = zstudy.db_path(url).parent if zstudy.db_path(url) else sweep_dir
+                summary = ", ".join(f"{k}: {n}" for k, n in sorted(record.kind_counts(launched).items()))
+                first_log = next((o.log for o in launched if o.log), None)
+                raise StudyFailed(f"all {len(launched)} launched trials failed ({summary}); first log: {first_log}")
+            raise StudyFailed("no candidate could be launched: every proposal was invalid or predicted to run out "
+                              "of memory (see the space report above); check gpu_memory_gb, n_gpus and gbs")
+        where = zstudy.where(url)
+        db = zstudy.db_path(url)
+        out = db.parent if db else sweep_dir
         out.mkdir(parents=True, exist_ok=True)
-        (out / "best.yaml").write_text(job.tuned_yaml(best, where, name=None))
+        (out / "best.yaml").write_text(tuned_yaml(job, best, where, name=None))
         progress.wrote(out / "best.yaml")
-        name = self.config.get("save_tuned")
+        name = job.conf.save_tuned
         if name:
             target = Path.cwd() / "conf" / "tuned" / f"{name}.yaml"
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(job.tuned_yaml(best, where, name=str(name)))
+            target.write_text(tuned_yaml(job, best, where, name=str(name)))
             progress.wrote(target, f"commit it; apply: zenithtune apply --tuned {name} -- <your command>, "
                                    f"or python -m zenithtune tuned={name} -- <your command>")
         if why != "interrupted":

@@ -24,4 +24,10 @@ class ZenithtuneSweeper(Sweeper):
                                  max_consecutive_skips=self.max_consecutive_skips)
 
     def sweep(self, arguments: list[str]) -> Any:
-        return self._impl.sweep(arguments)
+        from zenithtune.errors import ZenithtuneError, report
+
+        try:
+            return self._impl.sweep(arguments)
+        except ZenithtuneError as e:
+            # The front end's boundary: a user's mistake is one line and an exit code, no traceback.
+            raise SystemExit(report(e)) from None

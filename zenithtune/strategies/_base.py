@@ -16,17 +16,16 @@ Life of a strategy in a study (the zenithtune sweeper drives it):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from zenithtune.record import Outcome
 
 if TYPE_CHECKING:
     import optuna
 
     from zenithtune.memory import MemoryModel
     from zenithtune.space import Candidate, Space
-
-State = Literal["complete", "failed", "pruned"]
-
 
 @dataclass
 class Proposal:
@@ -42,29 +41,6 @@ class Proposal:
     # estimate at its edge (the fastest layouts often use 95+ % of the GPU, where an estimate that
     # must never miss an OOM is a few GB pessimistic). Megatron's structural rules still apply.
     probe_memory: bool = False
-
-
-@dataclass
-class Outcome:
-    """What became of one candidate."""
-
-    candidate: dict[str, Any]
-    state: State
-    value: float | None = None  # the score, for complete trials
-    kind: str | None = None  # failure kind (oom, timeout, crash, no_metric, invalid_args, interrupted)
-    reasons: list[str] = field(default_factory=list)  # why pruned / failed
-    rules: list[str] = field(default_factory=list)  # names of the rules that pruned it
-    launched: bool = False
-    duration: float | None = None
-    predicted_gb: float | None = None
-    measured_gb: float | None = None
-    trial_number: int | None = None
-    stage: str | None = None
-    probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "complete" and self.value is not None
 
 
 class Strategy(ABC):
@@ -108,9 +84,7 @@ class Strategy(ABC):
         """The study's memory prediction for a candidate (None without a memory model or shape)."""
         if self.memory is None:
             return None
-        return self.memory.predict(self.space.layout(cand), self.space.ctx.model,
-                                   distributed_optimizer=self.space.ctx.distributed_optimizer,
-                                   vit_checkpointing=self.space.vit_checkpointing(cand))
+        return self.memory.predict(**self.space.memory_args(cand))
 
 
 def tpe_sampler(seed: int, n_startup_trials: int, multivariate: bool = True) -> optuna.samplers.BaseSampler:

@@ -1,0 +1,167 @@
+"""One trial's record: what became of a candidate, and the only code that writes or reads it.
+
+Every proposal of a study becomes one Optuna trial, and its facts travel as one type, `Outcome`:
+  - a strategy receives it (`Strategy.tell`) and a resumed study rebuilds it (`outcome_of`);
+  - the study loop stores it in the trial's user_attrs (`store`), keyed by the `Attr` constants;
+  - a launched run reports its part of it as `Launched`, which the entry function also leaves in
+    `<trial dir>/trial.json` (`write_run` / `read_run`) for a sweeper in another process.
+Optuna's state says where it ended: COMPLETE (a score), FAIL (launched, no score: `kind` says why),
+PRUNED (never launched: `rules` and `reasons` say why).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Literal
+
+from zenithtune.run import FailureKind
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import FrozenTrial
+
+State = Literal["complete", "failed", "pruned"]
+
+TRIAL_LOG = "trial.log"  # per launched trial: exact argv, then the command's output
+TRIAL_INFO = "trial.json"  # per launched trial: a `Launched`, for the sweeper
+
+
+class Attr:
+    """Keys of a zenithtune trial's user_attrs (the study is Optuna's; these are our fields)."""
+
+    CANDIDATE = "candidate"  # every parameter value, including those the sampler did not choose
+    LAUNCHED = "launched"  # bool: the command ran (PRUNED trials: False)
+    KIND = "kind"  # FailureKind of a FAIL trial
+    REASONS = "reasons"  # list of str: why pruned / failed
+    RULES = "rules"  # list of str: the pruning rules' names
+    ARGV = "argv"  # the exact argv run
+    ENV = "env"  # environment variables added to it
+    LOG = "log"  # trial.log path
+    PID = "pid"  # process id of the launched command (finds what a killed tuner left running)
+    DURATION = "duration"  # wall seconds
+    TIMEOUT = "timeout"  # the limit the trial ran under
+    PREDICTED_GB = "predicted_gb"
+    MEASURED_GB = "measured_gb"
+    STAGE = "stage"  # staged strategies: which stage proposed it
+    WHY = "why"  # the strategy's one-line reason
+    DUPLICATE_OF = "duplicate_of"
+    MEMORY_PROBE = "memory_probe"  # launched past the memory screen on purpose: the screen's reason
+
+
+@dataclass
+class Outcome:
+    """What became of one candidate."""
+
+    candidate: dict[str, Any]
+    state: State
+    value: float | None = None  # the score, for complete trials
+    kind: str | None = None  # a FailureKind value, for failed trials
+    reasons: list[str] = field(default_factory=list)  # why pruned / failed
+    rules: list[str] = field(default_factory=list)  # names of the rules that pruned it
+    launched: bool = False
+    duration: float | None = None
+    predicted_gb: float | None = None
+    measured_gb: float | None = None
+    trial_number: int | None = None
+    stage: str | None = None
+    probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
+    why: str = ""  # the strategy's reason for proposing it
+    argv: list[str] | None = None
+    env: dict[str, str] | None = None
+    log: str | None = None
+    timeout: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "complete" and self.value is not None
+
+    @property
+    def counts(self) -> bool:
+        """Uses up one of n_trials: launched and finished; an interrupted trial measured nothing."""
+        return self.launched and self.kind != FailureKind.INTERRUPTED.value
+
+
+@dataclass
+class Launched:
+    """What one launched run reports: the score, or why there is none, and the facts of the run."""
+
+    value: float | None  # the score; None when the trial failed
+    kind: str | None = None  # FailureKind value when value is None
+    reason: str = ""
+    duration: float | None = None  # wall seconds of the run
+    measured_gb: float | None = None  # peak memory the run printed
+    argv: list[str] | None = None
+    env: dict[str, str] | None = None
+    log: str | None = None
+    pid: int | None = None
+
+
+def write_run(path: Path, run: Launched) -> None:
+    path.write_text(json.dumps(asdict(run), indent=1))
+
+
+def read_run(path: Path) -> Launched | None:
+    """The run a trial's entry function reported, or None when it left nothing readable."""
+    try:
+        data = json.loads(path.read_text())
+        return Launched(**{k: data.get(k) for k in Launched.__dataclass_fields__})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+# --- the study side ------------------------------------------------------------------------------
+def store(trial: optuna.Trial, o: Outcome) -> None:
+    """Write an outcome's facts into its (still running) trial's user_attrs."""
+    attrs: dict[str, Any] = {
+        Attr.LAUNCHED: o.launched, Attr.KIND: o.kind, Attr.REASONS: o.reasons or None, Attr.RULES: o.rules or None,
+        Attr.ARGV: o.argv, Attr.ENV: o.env, Attr.LOG: o.log, Attr.TIMEOUT: o.timeout,
+        Attr.DURATION: None if o.duration is None else round(o.duration, 3),
+        Attr.MEASURED_GB: None if o.measured_gb is None else round(o.measured_gb, 2),
+    }
+    for key, value in attrs.items():
+        if value is not None:
+            trial.set_user_attr(key, value)
+
+
+def outcome_of(t: FrozenTrial) -> Outcome | None:
+    """A stored trial as a strategy sees it (None for one still running)."""
+    from optuna.trial import TrialState
+
+    state: State | None = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed",
+                           TrialState.PRUNED: "pruned"}.get(t.state)  # type: ignore[assignment]
+    if state is None:
+        return None
+    a = t.user_attrs
+    launched = bool(a.get(Attr.LAUNCHED))
+    kind, reasons = a.get(Attr.KIND), list(a.get(Attr.REASONS) or [])
+    if state == "failed" and launched and kind is None:
+        # Failed by someone else than the loop that launched it (a stale trial of a tuner that died).
+        kind, reasons = FailureKind.INTERRUPTED.value, reasons or ["the tuner stopped while this trial was running"]
+    return Outcome(
+        candidate=dict(a.get(Attr.CANDIDATE) or t.params), state=state,
+        value=t.value if state == "complete" else None, kind=kind, reasons=reasons,
+        rules=list(a.get(Attr.RULES) or []), launched=launched, duration=a.get(Attr.DURATION),
+        predicted_gb=a.get(Attr.PREDICTED_GB), measured_gb=a.get(Attr.MEASURED_GB), trial_number=t.number,
+        stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
+        argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT))
+
+
+def history(study: optuna.Study) -> list[Outcome]:
+    return [o for o in (outcome_of(t) for t in study.get_trials(deepcopy=False)) if o is not None]
+
+
+def launched(outcomes: Iterable[Outcome]) -> list[Outcome]:
+    """The outcomes whose command ran (the only filter of its kind: pruned ones never ran)."""
+    return [o for o in outcomes if o.launched]
+
+
+def kind_counts(outcomes: Iterable[Outcome]) -> Counter[str]:
+    """Failed launches per failure kind, most common first when iterated with most_common()."""
+    return Counter(o.kind or FailureKind.CRASH.value for o in outcomes if o.launched and not o.ok)
+
+
+def budget_used(outcomes: Iterable[Outcome]) -> int:
+    """Launched trials that count against n_trials."""
+    return sum(1 for o in outcomes if o.counts)

@@ -1,0 +1,248 @@
+"""The typed configuration: the schema conf/config.yaml is checked against, and the one conversion
+from Hydra's DictConfig into plain typed objects.
+
+`ZenithtuneConf` is registered in Hydra's ConfigStore as `zenithtune_schema` and heads
+conf/config.yaml's defaults list, so Hydra refuses a value of the wrong type (`n_gpus=abc`) or an
+unknown key while it composes the config. The values and their comments live in conf/config.yaml
+(users read and copy it); the schema holds the types only.
+
+`load(cfg)` is the boundary: it turns a composed config into a `ZenithtuneConf` instance, checks every
+range (positive sizes, timeouts > 0, ...) and raises `UserError` naming the key and the fix. Nothing
+below it reads a DictConfig.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from zenithtune import resolvers  # noqa: F401  (registers ${zt.command:}, ${zt.python:}, ${zt.started:})
+from zenithtune.errors import UserError
+
+# The largest world size a study may ask for: Megatron runs on at most a few tens of thousands of GPUs,
+# and the space's enumeration grows with the number of divisors of n_gpus.
+MAX_GPUS = 1 << 17
+
+
+@dataclass
+class ZenithtuneConf:
+    """Every top-level key of conf/config.yaml with its type (values and comments: config.yaml)."""
+
+    # --- the job
+    n_gpus: int = MISSING  # world size of one trial (required)
+    gbs: int = MISSING  # global batch size (required)
+    model: Optional[str] = None  # HF id or local dir for the shape; None = from the command
+    num_layers: Optional[int] = None  # shape overrides (else from the command or model=)
+    num_query_groups: Optional[int] = None
+    seq_length: Optional[int] = None
+    mbs_max: int = MISSING  # largest micro-batch size tried
+    gpus_per_node: int = MISSING  # TP beyond a node crosses the network
+    gpu_memory_gb: Optional[float] = None  # per-GPU memory for the OOM estimate; None = detect
+    sim_gpu: str = MISSING  # GPU the default simulator command plays
+    memory_safety_margin: float = MISSING  # prune only past capacity x (1 + margin)
+    # --- the study
+    n_trials: int = MISSING  # launched trials at most
+    fail_fast: int = MISSING  # stop when the first N launches all fail; 0 = never
+    stage1_trials: int = MISSING  # staged_blackbox: launches on the layout before stage 2
+    timeout: Optional[float] = None  # seconds per trial; None = no limit
+    timeout_dynamic: bool = MISSING  # derive each trial's limit from the fastest success
+    timeout_dynamic_factor: float = MISSING
+    timeout_dynamic_floor: float = MISSING
+    storage: Optional[str] = None  # Optuna storage URL or a study.db path; None = <sweep dir>/study.db
+    study_name: str = MISSING
+    save_tuned: Optional[str] = None  # also write conf/tuned/<name>.yaml
+    echo: bool = MISSING  # stream each trial's output to the console
+    # --- the wrapped command
+    command: list[str] = MISSING
+    default_command: list[str] = MISSING
+    # --- config groups (plain nodes: a strategy/evaluator is instantiated from its `_target_`)
+    preset: dict[str, Any] = field(default_factory=dict)
+    strategy: dict[str, Any] = field(default_factory=dict)
+    evaluator: dict[str, Any] = field(default_factory=dict)
+    # --- per trial
+    params: dict[str, Any] = field(default_factory=dict)  # the candidate (sweeper or tuned config)
+    validate_in_task: bool = False  # the stock Optuna sweeper baseline: screen inside the entry function
+    result: Optional[dict[str, Any]] = None  # a tuned config's provenance (score, study); informational
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="zenithtune_schema", node=ZenithtuneConf, provider="zenithtune")
+
+
+register()
+
+
+@dataclass(frozen=True)
+class TimeoutPolicy:
+    """Per-trial time limits: a fixed `timeout`, and with `dynamic` a limit of factor x the fastest
+    successful trial's wall time (at least `floor`, never above the fixed one). No dynamic limit
+    before the first success."""
+
+    fixed: float | None = None
+    dynamic: bool = False
+    factor: float = 3.0
+    floor: float = 60.0
+
+    def limit(self, durations: list[float]) -> float | None:
+        if not self.dynamic or not durations:
+            return self.fixed
+        dyn = max(self.floor, self.factor * min(durations))
+        return min(dyn, self.fixed) if self.fixed else dyn
+
+    def is_dynamic_cut(self, limit: float | None) -> bool:
+        """Whether a trial cut at `limit` was cut by the dynamic rule (not the fixed timeout)."""
+        return limit is not None and limit != self.fixed
+
+
+def timeouts(conf: ZenithtuneConf) -> TimeoutPolicy:
+    return TimeoutPolicy(fixed=conf.timeout, dynamic=conf.timeout_dynamic,
+                         factor=conf.timeout_dynamic_factor, floor=conf.timeout_dynamic_floor)
+
+
+def load(cfg: DictConfig) -> ZenithtuneConf:
+    """The composed config as a checked `ZenithtuneConf` (Hydra's own `hydra` node is left out)."""
+    names = {f.name for f in fields(ZenithtuneConf)}
+    for key in ("n_gpus", "gbs"):
+        if OmegaConf.is_missing(cfg, key):
+            raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
+    try:
+        data = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+                for k in cfg if k in names}
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        raise UserError(f"{key}: {str(e).splitlines()[0]}") from None
+    conf = ZenithtuneConf(**data)
+    check(conf)
+    return conf
+
+
+def _positive(conf: ZenithtuneConf, key: str, example: str, *, zero_ok: bool = False) -> None:
+    value = getattr(conf, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero_ok else 1):
+        what = "a whole number >= 0" if zero_ok else "a positive whole number"
+        raise UserError(f"{key}={value!r} must be {what} (e.g. {example})")
+
+
+def _positive_float(conf: ZenithtuneConf, key: str, example: str, *, optional: bool = False) -> None:
+    value = getattr(conf, key)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UserError(f"{key}={value!r} must be a positive number of seconds or GB (e.g. {example})"
+                        + ("; leave it out (null) for no limit" if optional else ""))
+
+
+def check(conf: ZenithtuneConf) -> None:
+    """Range checks the schema's types cannot express; one line naming the key and the fix."""
+    _positive(conf, "n_gpus", "n_gpus=8")
+    if conf.n_gpus > MAX_GPUS:
+        raise UserError(f"n_gpus={conf.n_gpus} is larger than zenithtune supports ({MAX_GPUS}); "
+                        f"give the world size of one trial, e.g. n_gpus=1024")
+    _positive(conf, "gbs", "gbs=64")
+    _positive(conf, "mbs_max", "mbs_max=8")
+    _positive(conf, "gpus_per_node", "gpus_per_node=8")
+    _positive(conf, "n_trials", "n_trials=50")
+    _positive(conf, "fail_fast", "fail_fast=5", zero_ok=True)
+    _positive(conf, "stage1_trials", "stage1_trials=30")
+    for key in ("num_layers", "num_query_groups", "seq_length"):
+        if getattr(conf, key) is not None:
+            _positive(conf, key, f"{key}=32 or leave it out")
+    _positive_float(conf, "timeout", "timeout=600", optional=True)
+    _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3")
+    _positive_float(conf, "timeout_dynamic_floor", "timeout_dynamic_floor=60")
+    _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True)
+    margin = conf.memory_safety_margin
+    if not (math.isfinite(margin) and -0.5 < margin < 1.0):
+        raise UserError(f"memory_safety_margin={margin!r} must be a fraction between -0.5 and 1 (e.g. 0.02)")
+    if not conf.study_name:
+        raise UserError("study_name is empty: give the Optuna study a name (default zenithtune)")
+
+
+def wrapped_command(conf: ZenithtuneConf) -> list[str]:
+    if not conf.command:
+        raise UserError("command is empty: put the training command after a lone `--`, "
+                        "e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- torchrun ... pretrain_gpt.py ...")
+    return [str(x) for x in conf.command]
+
+
+def trial_params(conf: ZenithtuneConf) -> dict[str, Any]:
+    """The candidate this config carries (a sweeper's trial or a tuned config), without unset keys."""
+    return {str(k): v for k, v in conf.params.items() if v is not None}
+
+
+# Targets a config may instantiate (strategies, evaluators, samplers). Hydra 1.4 wants an execution
+# whitelist from trusted code; users who plug in their own evaluator or strategy add its package via
+# ZENITHTUNE_TRUSTED_TARGETS="mypkg.*,other.module.Class".
+TRUSTED_TARGETS = ("zenithtune.*", "optuna.samplers.*", "hydra_plugins.hydra_optuna_sweeper.*")
+TRUSTED_ENV = "ZENITHTUNE_TRUSTED_TARGETS"
+
+
+def build(node: dict[str, Any]) -> Any:
+    """Instantiate a `_target_` config node (strategy, evaluator) under the execution whitelist."""
+    import os
+
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    extra = [t.strip() for t in os.environ.get(TRUSTED_ENV, "").split(",") if t.strip()]
+    target = str(node.get("_target_", ""))
+    allowed = list(TRUSTED_TARGETS) + extra
+    if target and not any(target == a or (a.endswith(".*") and target.startswith(a[:-1])) for a in allowed):
+        raise UserError(f"_target_ {target!r} is not trusted: add its package to {TRUSTED_ENV} "
+                        f"(e.g. {TRUSTED_ENV}='{target.rsplit('.', 1)[0]}.*')")
+    try:
+        return instantiate(node, _execution_whitelist_=allowed)
+    except InstantiationException as e:
+        # A wrong or missing option of a strategy/evaluator (e.g. evaluator=regex without a pattern).
+        cause = e.__cause__ or e
+        if isinstance(cause, (TypeError, ValueError, OmegaConfBaseException)):
+            raise UserError(f"{target}: {str(cause).splitlines()[0]}") from None
+        raise
+
+
+# --- what conf/ offers, checked before Hydra composes (one line instead of Hydra's report) ---------
+GROUPS = ("preset", "strategy", "evaluator", "tuned", "baseline")
+
+
+def group_choices(group: str) -> list[str]:
+    """Choices of a config group: ours (shipped in the package) and the user's ./conf/<group>/."""
+    from importlib import resources
+    from pathlib import Path
+
+    ours = resources.files("zenithtune.conf").joinpath(group)
+    names = {p.name[:-5] for p in ours.iterdir() if p.name.endswith(".yaml")} if ours.is_dir() else set()
+    local = Path.cwd() / "conf" / group
+    if local.is_dir():
+        names |= {p.stem for p in local.glob("*.yaml")}
+    return sorted(names)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse, in one line, a config group choice that does not exist or a top-level value of the
+    wrong type, before Hydra composes (its own report is many lines)."""
+    names = {f.name: f for f in fields(ZenithtuneConf)}
+    schema = OmegaConf.structured(ZenithtuneConf)
+    for o in overrides:
+        key, eq, value = o.lstrip("+~").partition("=")
+        if not eq or o.startswith("~"):
+            continue
+        value = value.strip()
+        if key in GROUPS:
+            known = group_choices(key)
+            if value not in known and value != "null":
+                noun = {"tuned": "tuned config (./conf/tuned/NAME.yaml)"}.get(key, key)
+                raise UserError(f"{key}={value} is not a {noun}: choose one of {', '.join(known) or 'none yet'}")
+        elif key in names and key not in ("command", "default_command", "params", "preset", "strategy",
+                                          "evaluator", "result") and not value.startswith("${"):
+            try:
+                OmegaConf.merge(schema, OmegaConf.from_dotlist([f"{key}={value}"]))
+            except OmegaConfBaseException:
+                kind = str(names[key].type).replace("Optional[", "").rstrip("]")
+                raise UserError(f"{key}={value} is not a valid {kind}: {key} takes "
+                                + ("a number" if kind in ("int", "float") else f"a {kind}")
+                                + " (see conf/config.yaml)") from None

@@ -1,0 +1,39 @@
+"""Tuned configs: the best configuration of a study as a YAML file a user commits to git.
+
+`conf/tuned/NAME.yaml` (and `best.yaml` in every study folder) holds `params` (the candidate) plus the
+job it was tuned for (n_gpus, gbs) and its provenance; `python -m zenithtune tuned=NAME -- cmd` and
+`zenithtune apply --tuned NAME` run it.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import shlex
+
+from omegaconf import OmegaConf
+
+from zenithtune.inject import inject
+from zenithtune.job import Job
+from zenithtune.record import Outcome
+
+
+def tuned_yaml(job: Job, best: Outcome, study: str, name: str | None) -> str:
+    """A tuned config (stable key order, headed by its provenance)."""
+    assert best.value is not None and best.trial_number is not None  # best() returns complete trials only
+    # The command as the user wrote it, with the tuned options taken out (they live in params).
+    plain = inject(job.command, {o: None for o in job.space.options(best.candidate)})
+    model = job.conf.model or (job.ctx.model.name if job.ctx.model.name != "command" else None)
+    metric = job.evaluator.metric_name
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    head = [
+        "# @package _global_",
+        f"# zenithtune tuned config{' ' + name if name else ''}: {best.value:g} {metric} "
+        f"(trial {best.trial_number} of {study})",
+        f"# made {stamp} by strategy {job.strategy_name} for n_gpus={job.ctx.n_gpus} gbs={job.ctx.gbs}"
+        + (f" model={model}" if model else ""),
+        f"# command (before injection): {shlex.join(plain)}",
+        f"# apply: python -m zenithtune tuned={name or 'NAME'} -- <your training command>",
+    ]
+    body = OmegaConf.to_yaml({"n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "params": best.candidate,
+                              "result": {"score": float(best.value), "metric": metric, "trial": best.trial_number,
+                                         "study": study, "strategy": job.strategy_name}}, sort_keys=False)
+    return "\n".join(head) + "\n" + body
