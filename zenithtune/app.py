@@ -63,7 +63,7 @@ def compose(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
     argv = wrapped_command(cfg)
     params = trial_params(cfg)
     preset = OmegaConf.to_container(cfg.preset, resolve=True)
-    argv = inject(argv, options_for(preset, params, int(cfg.gbs)))
+    argv = inject(argv, options_for(preset, params, int(cfg.gbs), argv))
     lay = Layout(n_gpus=int(cfg.n_gpus), gbs=int(cfg.gbs), tp=int(params.get("tp", 1)),
                  cp=int(params.get("cp", 1)))
     return argv, required_env(lay)

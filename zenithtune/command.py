@@ -289,3 +289,15 @@ def facts(argv: list[str]) -> CommandFacts:
         account_for_loss=_flag(opts, "account-for-loss-in-pipeline-split"),
         distributed_optimizer=dist_opt,
     )
+
+
+def trainer_problem(argv: list[str]) -> str | None:
+    """Why the Megatron preset cannot drive this command, or None: ms-swift's own trainer (`swift sft`)
+    accepts none of the Megatron options the preset injects."""
+    if trainer(argv) != "swift_native":
+        return None
+    start = options_start(argv)
+    shown = " ".join(argv[max(0, start - 2):start]) or argv[0]
+    return (f"`{shown}` is ms-swift's own (non-Megatron) trainer, which rejects the Megatron options the "
+            f"megatron preset injects (--tensor_model_parallel_size, ...); run ms-swift's Megatron mode "
+            f"instead: `megatron sft|pt|rlhf` with the same arguments")

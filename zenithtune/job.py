@@ -13,8 +13,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from zenithtune.app import UserError, build, wrapped_command
+from zenithtune.command import facts, trainer_problem
 from zenithtune.inject import find_option
-from zenithtune.space import Context, Space, Survey, mbs_values
+from zenithtune.space import Context, Space, Survey, mbs_values, policy_off
 from zenithtune.strategies import Outcome, Strategy
 
 # Memory of the GPUs the built-in simulator can play (`--sim-gpu`), as PyTorch reports it (GiB), so a
@@ -146,7 +147,7 @@ def build_setting(cfg: DictConfig, *, quiet: bool = False) -> Setting:
     if not mbs_values(mbs_max, gbs):
         raise UserError(f"gbs={gbs} is not divisible by any micro-batch size 1..{mbs_max}")
     command = wrapped_command(cfg)
-    problem = command_problem(command)
+    problem = trainer_problem(command) or command_problem(command)
     if problem:
         raise UserError(problem)
     explicit = {k: cfg.get(k) for k in ("num_layers", "num_query_groups", "seq_length") if cfg.get(k) is not None}
@@ -159,10 +160,12 @@ def build_setting(cfg: DictConfig, *, quiet: bool = False) -> Setting:
                   f"the command's value is what the trainer will run with", file=sys.stderr)
     capacity, source = gpu_memory(cfg, command)
     preset = OmegaConf.to_container(cfg.preset, resolve=True)
+    flags = facts(command)
     ctx = Context(n_gpus=n_gpus, gbs=gbs, model=model, mbs_max=mbs_max,
                   gpus_per_node=int(cfg.get("gpus_per_node") or 8), gpu_memory_gb=capacity,
-                  distributed_optimizer=bool(find_option(command, "--use-distributed-optimizer")),
-                  vlm_full_uniform_only=bool(preset.get("vlm_full_uniform_only", True)))
+                  distributed_optimizer=flags.distributed_optimizer,
+                  vlm_full_uniform_only=bool(preset.get("vlm_full_uniform_only", True)),
+                  flags=flags, policy_off=policy_off(cfg.get("prune")))
     space = Space.from_preset(preset, ctx)
     # Megatron's default attention (flash / fused) never stores the s x s scores; the unfused and
     # local backends do, which changes the activation estimate.
