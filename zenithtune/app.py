@@ -41,7 +41,7 @@ def compose(conf: ZenithtuneConf) -> tuple[list[str], dict[str, str]]:
     """The exact argv and the added environment for this config's parameters."""
     argv = wrapped_command(conf)
     params = trial_params(conf)
-    argv = inject(argv, options_for(conf.preset, params, conf.gbs))
+    argv = inject(argv, options_for(conf.preset, params, conf.gbs, argv))
     lay = Layout(n_gpus=conf.n_gpus, gbs=conf.gbs, tp=int(params.get("tp", 1)), cp=int(params.get("cp", 1)))
     return argv, required_env(lay)
 

@@ -14,7 +14,7 @@ class ZenithtuneError(Exception):
     exit_code = 2  # usage-style errors; a study that ran and found nothing uses 1
 
 
-class UserError(ZenithtuneError):
+class UserError(ZenithtuneError, ValueError):
     """A value the user gave is wrong: the message names the key, the value and the fix."""
 
 

@@ -11,15 +11,15 @@ follows the spelling conventions of the two trainers we wrap:
 ``--tensor-model-parallel-size`` and ``--tensor_model_parallel_size`` are the same option (argparse
 maps both to one dest), so a second spelling would be a duplicate the trainer either rejects or
 silently resolves last-wins. Only tokens after the training script are options: a launcher's own
-options (``torchrun --nproc-per-node 8``) are never touched.
+options (``torchrun --nproc-per-node 8``) are never touched (`zenithtune.command` reads the argv).
 """
 from __future__ import annotations
 
-import os
-import re
-from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, Mapping
+
+from zenithtune.command import (Occurrence, canonical, find_option, is_swift_command, option_region,
+                                options_start, scan)
 
 __all__ = ["REMOVE", "OptValue", "BoolStyle", "inject", "find_option", "canonical", "describe",
            "options_start", "is_swift_command"]
@@ -40,140 +40,12 @@ REMOVE = _Remove.REMOVE
 OptValue = str | int | float | bool | None | _Remove
 BoolStyle = Literal["flag", "value", "auto"]
 
-# Tokens after which the training options begin. A launcher never takes these as its own values.
-_SCRIPT_SUFFIXES = (".py", ".sh")
-_SWIFT_PROGRAMS = {"megatron", "swift"}
-_SWIFT_SUBCOMMANDS = {"sft", "pt", "rlhf"}
-_ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-_BOOL_WORDS = {"true", "false"}
-
-
-def canonical(name: str) -> str:
-    """One key per option: argparse treats ``--a_b`` and ``--a-b`` alike, so we compare dashed names.
-
-    >>> canonical("--tensor_model_parallel_size")
-    '--tensor-model-parallel-size'
-    """
-    body = name[2:] if name.startswith("--") else name.lstrip("-")
-    return "--" + body.split("=", 1)[0].replace("_", "-")
-
-
-def _is_option(token: str) -> bool:
-    """``--name`` or ``--name=value``; a token whose name part holds whitespace is a quoted value."""
-    if not token.startswith("--") or token == "--":
-        return False
-    name = token.split("=", 1)[0]
-    return not any(ch.isspace() for ch in name)
-
-
-def _program_index(argv: list[str]) -> int:
-    """Index of the first token that is neither ``env`` nor a ``VAR=value`` assignment."""
-    i = 0
-    while i < len(argv) and (argv[i] == "env" or _ENV_ASSIGNMENT.match(argv[i])):
-        i += 1
-    return i
-
-
-def options_start(argv: list[str]) -> int:
-    """Index of the first training option: just after the script (``*.py``/``*.sh``), the module of
-    ``-m module``, or the ``megatron``/``swift`` subcommand. Tokens before it belong to launchers
-    (torchrun, python, env). Without any such marker every token after argv[0] is an option."""
-    for i, tok in enumerate(argv):
-        if tok == "-m":
-            return min(i + 2, len(argv))
-        if tok.startswith("-"):
-            continue
-        base = os.path.basename(tok)
-        if base.endswith(_SCRIPT_SUFFIXES):
-            return i + 1
-        if base in _SWIFT_PROGRAMS and (i == _program_index(argv) or
-                                        (i + 1 < len(argv) and argv[i + 1] in _SWIFT_SUBCOMMANDS)):
-            has_sub = i + 1 < len(argv) and not argv[i + 1].startswith("-")
-            return i + 2 if has_sub else i + 1
-    return min(1, len(argv))
-
-
-def is_swift_command(argv: list[str]) -> bool:
-    """ms-swift style (underscores, ``true``/``false`` booleans): the program is ``megatron`` or
-    ``swift``, argv contains ``megatron sft|pt|rlhf``, or the ``-m`` module or script is part of a ``swift``
-    package (the built-in ``zenithtune.sim.swift``; ``torchrun ... swift/cli/_megatron/sft.py``)."""
-    p = _program_index(argv)
-    if p < len(argv) and os.path.basename(argv[p]) in _SWIFT_PROGRAMS:
-        return True
-    for i, tok in enumerate(argv[:-1]):
-        if os.path.basename(tok) == "megatron" and argv[i + 1] in _SWIFT_SUBCOMMANDS:
-            return True
-        if tok == "-m" and "swift" in argv[i + 1].split("."):
-            return True
-    start = options_start(argv)
-    script = argv[start - 1] if 0 < start <= len(argv) else ""
-    # what `megatron sft` itself runs: torchrun ... <site-packages>/swift/cli/_megatron/sft.py
-    return script.endswith(".py") and "swift" in script.replace("\\", "/").split("/")[:-1]
-
-
-@dataclass(frozen=True)
-class _Occurrence:
-    """One option as the user wrote it."""
-
-    start: int  # index of the name token
-    end: int  # index after its last value token
-    name: str  # as spelled, e.g. "--tensor_model_parallel_size"
-    inline: bool  # written "--k=v"
-    values: tuple[str, ...]  # value tokens; () for a bare flag
-
-    @property
-    def key(self) -> str:
-        return canonical(self.name)
-
-    @property
-    def bool_value(self) -> str | None:
-        """The true/false word when the option is written as a boolean value, else None."""
-        if len(self.values) == 1 and self.values[0].lower() in _BOOL_WORDS:
-            return self.values[0]
-        return None
-
-    def rendered(self) -> str | None:
-        """The value as one string (None for a bare flag)."""
-        return " ".join(self.values) if self.values else None
-
-
-def _region(argv: list[str]) -> tuple[int, int]:
-    """[start, end) of the option tokens; a lone ``--`` ends argparse options, so it ends ours."""
-    start = options_start(argv)
-    end = argv.index("--", start) if "--" in argv[start:] else len(argv)
-    return start, end
-
-
-def _scan(argv: list[str]) -> list[_Occurrence]:
-    """Every option in the option region, in order. A value is every following token up to the next
-    option: negative numbers and quoted strings (even ``"--a 1"``) are values, and ``nargs`` options
-    such as ``--data-path 0.5 a 0.5 b`` keep all of theirs."""
-    start, end = _region(argv)
-    found: list[_Occurrence] = []
-    i = start
-    while i < end:
-        tok = argv[i]
-        if not _is_option(tok):
-            i += 1
-            continue
-        if "=" in tok:
-            name, value = tok.split("=", 1)
-            found.append(_Occurrence(i, i + 1, name, True, (value,)))
-            i += 1
-            continue
-        j = i + 1
-        while j < end and not _is_option(argv[j]):
-            j += 1
-        found.append(_Occurrence(i, j, tok, False, tuple(argv[i + 1:j])))
-        i = j
-    return found
-
 
 def _spell(key: str, underscore: bool) -> str:
     return "--" + key[2:].replace("-", "_") if underscore else key
 
 
-def _prefers_underscore(found: list[_Occurrence], swift: bool) -> bool:
+def _prefers_underscore(found: list[Occurrence], swift: bool) -> bool:
     """The spelling most of the user's multi-word options use; ties go to the trainer's convention."""
     under = sum(1 for o in found if "_" in o.name[2:] and "-" not in o.name[2:])
     dash = sum(1 for o in found if "-" in o.name[2:] and "_" not in o.name[2:])
@@ -218,10 +90,10 @@ def inject(argv: list[str], options: Mapping[str, OptValue], *,
     if bool_style not in ("flag", "value", "auto"):
         raise ValueError(f"bool_style {bool_style!r} is not one of flag, value, auto")
     _check(options)
-    found = _scan(argv)
+    found = scan(argv)
     swift = is_swift_command(argv)
     underscore = _prefers_underscore(found, swift)
-    _, end = _region(argv)
+    _, end = option_region(argv)
 
     replace: dict[int, list[str]] = {}  # occurrence start -> new tokens
     drop: set[int] = set()  # occurrence starts to delete
@@ -279,27 +151,16 @@ def inject(argv: list[str], options: Mapping[str, OptValue], *,
     return out + appended
 
 
-def find_option(argv: list[str], name: str) -> str | bool | None:
-    """Current value of an option in any spelling: ``--k v``/``--k=v`` → ``"v"`` (several value tokens
-    joined by a space), bare flag → True, absent → None. The first occurrence wins."""
-    key = canonical(name)
-    for occ in _scan(argv):
-        if occ.key == key:
-            text = occ.rendered()
-            return True if text is None else text
-    return None
-
-
 def describe(argv_before: list[str], argv_after: list[str]) -> list[str]:
     """Human-readable option changes for the trial log: ``--micro-batch-size 1 -> 4``,
     ``+ --sequence-parallel``, ``- --recompute-method uniform``."""
-    def table(argv: list[str]) -> dict[str, list[_Occurrence]]:
-        t: dict[str, list[_Occurrence]] = {}
-        for occ in _scan(argv):
+    def table(argv: list[str]) -> dict[str, list[Occurrence]]:
+        t: dict[str, list[Occurrence]] = {}
+        for occ in scan(argv):
             t.setdefault(occ.key, []).append(occ)
         return t
 
-    def show(occ: _Occurrence) -> str:
+    def show(occ: Occurrence) -> str:
         text = occ.rendered()
         return occ.name if text is None else f"{occ.name} {text}"
 

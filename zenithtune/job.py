@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from zenithtune import modelinfo
+from zenithtune.command import facts, trainer_problem
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
 from zenithtune.inject import find_option
@@ -16,7 +17,7 @@ from zenithtune.memory import MemoryModel, gpu_capacity_gb
 from zenithtune.record import Outcome
 from zenithtune.run import FailureKind, command_problem
 from zenithtune.settings import TimeoutPolicy, ZenithtuneConf, build, timeouts, trial_params, wrapped_command
-from zenithtune.space import Candidate, Context, Space, Survey, mbs_values
+from zenithtune.space import Candidate, Context, Space, Survey, mbs_values, policy_off
 from zenithtune.strategies import Strategy
 
 # Memory of the GPUs the built-in simulator can play (`--sim-gpu`), as PyTorch reports it (GiB), so a
@@ -86,7 +87,7 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
     if not mbs_values(conf.mbs_max, conf.gbs):
         raise UserError(f"gbs={conf.gbs} is not divisible by any micro-batch size 1..{conf.mbs_max}")
     command = wrapped_command(conf)
-    problem = command_problem(command)
+    problem = trainer_problem(command) or command_problem(command)
     if problem:
         raise UserError(problem)
     explicit = {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length")
@@ -99,10 +100,12 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
             print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
                   f"the command's value is what the trainer will run with", file=sys.stderr)
     capacity, source = gpu_memory(conf, command)
+    flags = facts(command)
     ctx = Context(n_gpus=conf.n_gpus, gbs=conf.gbs, model=model, mbs_max=conf.mbs_max,
                   gpus_per_node=conf.gpus_per_node, gpu_memory_gb=capacity,
-                  distributed_optimizer=bool(find_option(command, "--use-distributed-optimizer")),
-                  vlm_full_uniform_only=bool(conf.preset.get("vlm_full_uniform_only", True)))
+                  distributed_optimizer=flags.distributed_optimizer,
+                  vlm_full_uniform_only=bool(conf.preset.get("vlm_full_uniform_only", True)),
+                  flags=flags, policy_off=policy_off(conf.prune))
     space = Space.from_preset(conf.preset, ctx)
     # Megatron's default attention (flash / fused) never stores the s x s scores; the unfused and
     # local backends do, which changes the activation estimate.

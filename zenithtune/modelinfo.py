@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from zenithtune import command
+from zenithtune.command import parse_bool
 from zenithtune.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,15 @@ class ModelInfo:
         return bool(self.num_experts) and (self.num_experts or 0) > 1
 
     @property
+    def ffn(self) -> int | None:
+        """The dense FFN width: the stated one, else Megatron's default for this hidden size (see
+        `default_ffn_hidden_size`); None when the hidden size is unknown. memory, sim and
+        strategies/_throughput should read this instead of recomputing the default."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return default_ffn_hidden_size(self.hidden_size, self.swiglu) if self.hidden_size else None
+
+    @property
     def head_dim(self) -> int | None:
         if self.kv_channels:
             return self.kv_channels
@@ -95,6 +106,13 @@ class ModelInfo:
         return f"{label}: {', '.join(parts) if parts else 'shape unknown'}"
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool | None) -> int:
+    """Megatron's FFN width when --ffn-hidden-size is not given: 4h, or with SwiGLU 8h/3 rounded down to
+    a multiple of 64 (megatron/training/arguments.py, validate_args: `args.ffn_hidden_size = int((4 *
+    args.hidden_size * 2 / 3) / 64) * 64` under --swiglu)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
 MODEL_FIELDS = frozenset(f.name for f in fields(ModelInfo))
 
 
@@ -122,55 +140,6 @@ _INT_OPTIONS = {
     "vision-seq-length": "vision_seq_length",
 }
 _FLAGS = ("swiglu", "disable-bias-linear", "untie-embeddings-and-output-weights", "group-query-attention")
-_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-# Launcher modules whose own options come before the real script (`python -m torch.distributed.run ...`).
-_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-_SUBCOMMAND_TOOLS = ("megatron", "swift")
-
-
-def _script_options(argv: list[str]) -> list[str]:
-    """The tokens after the training script: `*.py`, `-m module` or `megatron|swift <subcommand>`.
-
-    Launcher options before it (`torchrun --nnodes 2 ...`) are never read. A command with no
-    recognisable script (a bare option list, a shell wrapper) is read whole.
-    """
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "-m" and i + 1 < len(argv):
-            if argv[i + 1] in _LAUNCHER_MODULES:
-                i += 2
-                continue
-            return argv[i + 2:]
-        if not tok.startswith("-") and tok.endswith(".py"):
-            return argv[i + 1:]
-        if os.path.basename(tok) in _SUBCOMMAND_TOOLS and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-            return argv[i + 2:]
-        i += 1
-    return list(argv)
-
-
-def _parse_options(tokens: list[str]) -> dict[str, str | None]:
-    """`--k v`, `--k=v` and bare `--flag` into {normalised-name: value or None}; last one wins."""
-    out: dict[str, str | None] = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        i += 1
-        if not tok.startswith("--") or tok == "--":
-            continue
-        key, eq, value = tok[2:].partition("=")
-        key = key.replace("_", "-")
-        if eq:
-            out[key] = value
-        elif i < len(tokens) and not tokens[i].startswith("--"):
-            out[key] = tokens[i]
-            i += 1
-        else:
-            out[key] = None
-    return out
-
-
 def _flag(opts: dict[str, str | None], name: str) -> bool | None:
     """True/False when the flag is given (bare, or ms-swift's `--flag true|false`), else None."""
     if name not in opts:
@@ -178,7 +147,8 @@ def _flag(opts: dict[str, str | None], name: str) -> bool | None:
     value = opts[name]
     if value is None:
         return True
-    return _BOOL_WORDS.get(value.lower(), True)
+    word = parse_bool(value.split()[0]) if value.split() else None
+    return True if word is None else word
 
 
 def _int(key: str, value: str | None) -> int | None:
@@ -202,7 +172,7 @@ def from_argv(argv: list[str]) -> ModelInfo:
     ms-swift's `--model <id or dir>` loads that config (`from_hf`) under the command's options.
     `--vit-gradient-checkpointing`, `--vit_*` or a `--vision-*` option marks a VLM.
     """
-    opts = _parse_options(_script_options(list(argv)))
+    opts = command.options(list(argv))
     values: dict[str, Any] = {}
     for key, field in _INT_OPTIONS.items():
         if key in opts:
@@ -246,7 +216,7 @@ def _megatron_defaults(values: dict[str, Any], *, gqa: bool) -> None:
     values.setdefault("disable_bias_linear", False)
     values.setdefault("tie_embeddings", True)
     if hidden and "ffn_hidden_size" not in values:
-        values["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64 if values["swiglu"] else 4 * hidden
+        values["ffn_hidden_size"] = default_ffn_hidden_size(hidden, values["swiglu"])
     if values.get("num_experts"):
         values.setdefault("moe_router_topk", 2)
         values.setdefault("moe_ffn_hidden_size", values.get("ffn_hidden_size"))

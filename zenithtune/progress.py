@@ -108,11 +108,17 @@ class Progress(Callbacks):
         self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {ctx.gpu_memory_gb:g} GB from "
                   f"{job.memory_source}), gbs={ctx.gbs}, model: {ctx.model.summary()}")
         self.line(f"space: {s.total} candidates")
-        for rule, n in s.removed.most_common():
-            self.line(f"  - {n:6d} removed by {rule}: e.g. {s.reasons[rule]}")
+        for kind, title in (("megatron", "Megatron would reject"), ("policy", "zenithtune's policy (prune.policy.<rule>=false keeps them)")):
+            removed = s.removed_by(kind)
+            if removed:
+                self.line(f"  {title}:")
+            for rule, n in removed:
+                self.line(f"  - {n:6d} removed by {rule}: e.g. {s.reasons[rule]}")
         self.line(f"  - {job.predicted_oom_count:6d} predicted to run out of memory (not launched)")
         self.line(f"  = {s.valid - job.predicted_oom_count} left to search; strategy "
                   f"{job.strategy_name}, n_trials={self.total}")
+        for note in s.notes:
+            self.line(f"  note: {note}")
         resume = ""
         if resumed:
             resume = (f" (resumed with {resumed} recorded trials; {used} of n_trials={self.total} used"

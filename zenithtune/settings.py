@@ -43,6 +43,7 @@ class ZenithtuneConf:
     gpu_memory_gb: Optional[float] = None  # per-GPU memory for the OOM estimate; None = detect
     sim_gpu: str = MISSING  # GPU the default simulator command plays
     memory_safety_margin: float = MISSING  # prune only past capacity x (1 + margin)
+    prune: dict[str, Any] = field(default_factory=dict)  # prune.policy.<rule>: bool, zenithtune's own preferences
     # --- the study
     n_trials: int = MISSING  # launched trials at most
     fail_fast: int = MISSING  # stop when the first N launches all fail; 0 = never
@@ -238,7 +239,7 @@ def check_overrides(overrides: list[str]) -> None:
                 noun = {"tuned": "tuned config (./conf/tuned/NAME.yaml)"}.get(key, key)
                 raise UserError(f"{key}={value} is not a {noun}: choose one of {', '.join(known) or 'none yet'}")
         elif key in names and key not in ("command", "default_command", "params", "preset", "strategy",
-                                          "evaluator", "result") and not value.startswith("${"):
+                                          "evaluator", "result", "prune") and not value.startswith("${"):
             try:
                 OmegaConf.merge(schema, OmegaConf.from_dotlist([f"{key}={value}"]))
             except OmegaConfBaseException:

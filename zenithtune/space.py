@@ -11,8 +11,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping
 
+from zenithtune.command import CommandFacts, facts
+from zenithtune.errors import UserError
 from zenithtune.modelinfo import ModelInfo
-from zenithtune.validate import Layout, check
+from zenithtune.validate import POLICIES, RULE_KINDS, Layout, check
 
 Candidate = dict[str, Any]
 When = Literal["always", "moe", "vlm", "full_recompute"]
@@ -35,6 +37,13 @@ class Context:
     gpu_memory_gb: float = 80.0
     distributed_optimizer: bool = True  # the command has --use-distributed-optimizer
     vlm_full_uniform_only: bool = True  # see conf/preset/megatron.yaml
+    flags: CommandFacts = field(default_factory=CommandFacts)  # the user's own flags (command.facts)
+    policy_off: frozenset[str] = frozenset()  # policy rules switched off (prune.policy.<name>=false)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.policy_off) - set(POLICIES))
+        if unknown:
+            raise UserError(f"prune.policy.{unknown[0]}: no such policy; the policies are {list(POLICIES)}")
 
     @property
     def nodes(self) -> int:
@@ -68,12 +77,121 @@ def mbs_values(mbs_max: int, gbs: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int) -> dict[str, Any]:
+SequenceParallelMode = Literal["auto", "command"]
+
+# Options whose ms-swift default differs from Megatron's, for the options zenithtune injects (ms-swift
+# MegatronArguments, swift/megatron/arguments/megatron_args.py; the table is in docs/fidelity.md).
+# Leaving such an option out would run ms-swift's default, not the candidate's, so it is written out.
+SWIFT_DEFAULTS = {"--recompute-granularity": "selective", "--expert-tensor-parallel-size": "1"}
+VPP_OPTIONS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+               "--virtual-pipeline-model-parallel-size")
+
+
+def sequence_parallel_for(tp: int, moe: bool, flags: CommandFacts,
+                          mode: SequenceParallelMode = "auto") -> bool:
+    """Whether a candidate runs with sequence parallelism (the reason is `sequence_parallel_note`).
+
+    Never at tp == 1 (Megatron turns it off) nor with ``--transformer-impl local`` (torch LayerNorm
+    asserts); always for MoE with tp > 1 (MoELayer raises without it). Otherwise ``command`` keeps the
+    user's own choice (``--sequence-parallel`` present or not) and ``auto`` adds it at tp > 1 unless the
+    user said no (ms-swift ``--sequence_parallel false``) or chose ``--distribute-saved-activations``,
+    which Megatron refuses together with it."""
+    if tp <= 1 or flags.local_impl:
+        return False
+    if moe:
+        return True
+    if mode == "command":
+        return bool(flags.sequence_parallel)
+    if flags.sequence_parallel is False:
+        return False
+    return not (flags.distribute_saved_activations and flags.sequence_parallel is None)
+
+
+def sequence_parallel_note(flags: CommandFacts, mode: SequenceParallelMode, moe: bool) -> str:
+    """One line for the space report: where sequence parallelism is on and why."""
+    if flags.local_impl:
+        tail = ("; MoE with tp > 1 needs it, so those layouts are pruned" if moe else "")
+        return ("sequence parallel: never added: the command selects --transformer-impl local, whose torch "
+                "LayerNorm refuses it" + tail)
+    moe_part = "on with MoE at tp > 1 (Megatron requires it); " if moe else ""
+    if mode == "command":
+        return (f"sequence parallel: {moe_part}otherwise as the command says "
+                f"({'on at tp > 1' if flags.sequence_parallel else 'off'}; preset sequence_parallel=command)")
+    if flags.sequence_parallel is False:
+        return f"sequence parallel: {moe_part}otherwise off, as the command says (--sequence_parallel false)"
+    if flags.distribute_saved_activations and flags.sequence_parallel is None:
+        return (f"sequence parallel: {moe_part}otherwise off: the command's --distribute-saved-activations "
+                f"cannot run with it")
+    return ("sequence parallel: added at tp > 1 (preset sequence_parallel=auto; it saves activation memory at "
+            "no cost; sequence_parallel=command keeps the command's own choice)")
+
+
+@dataclass(frozen=True)
+class Adjusted:
+    """How one candidate runs the user's own flags: what is kept, what is dropped (and why not)."""
+
+    sequence_parallel: bool
+    recompute_granularity: str | None  # what really runs ("none" -> None; --recompute-activations -> selective)
+    drop: tuple[str, ...]  # the user's options removed for this candidate
+    explicit: tuple[tuple[str, str], ...]  # options written out because ms-swift's default differs
+
+    def options(self) -> dict[str, Any]:
+        return {**{o: None for o in self.drop}, **dict(self.explicit)}
+
+
+def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandFacts,
+           moe: bool | None = None) -> Adjusted:
+    """The user's flags that a candidate changes the meaning of, decided in one place for both the
+    injected options (`options_for`) and the layout the rules check (`Space.layout`).
+
+    * ``--recompute-activations`` is Megatron's shorthand for selective recompute: dropped whenever the
+      preset tunes the granularity (with it a "none" candidate would run selective and a "full" one
+      would be refused);
+    * the virtual-pipeline options are dropped at pp == 1 (Megatron refuses interleaving there);
+    * ``--tp-comm-overlap`` is dropped where sequence parallelism is off (tp == 1, local impl);
+    * ``--distribute-saved-activations`` is dropped where Megatron refuses it (tp == 1, not full
+      recompute, sequence parallelism on);
+    * ms-swift: an option left out runs ms-swift's default, so where that differs from Megatron's
+      (`SWIFT_DEFAULTS`) the Megatron value is written out (``--recompute_granularity none``).
+
+    `moe` None: inferred from the candidate (``ep``/``etp`` apply only to MoE models)."""
+    moe = ("ep" in params or "etp" in params) if moe is None else moe
+    spec = preset.get("params") or {}
+    mode = str(preset.get("sequence_parallel", "auto"))
+    tp = int(params.get("tp", 1) or 1)
+    pp = int(params.get("pp", 1) or 1)
+    granularity = params.get("recompute_granularity")
+    if granularity == "none":
+        granularity = None
+    if "recompute_granularity" not in spec and flags.recompute_activations:
+        granularity = "selective"
+    sp = sequence_parallel_for(tp, moe, flags, mode)  # type: ignore[arg-type]
+    drop: list[str] = []
+    if flags.recompute_activations and "recompute_granularity" in spec:
+        drop.append("--recompute-activations")
+    if pp <= 1 and (flags.layers_per_virtual_stage or flags.virtual_stages):
+        drop += VPP_OPTIONS
+    if flags.tp_comm_overlap and not sp:
+        drop.append("--tp-comm-overlap")
+    if flags.distribute_saved_activations and not (tp > 1 and granularity == "full" and not sp):
+        drop.append("--distribute-saved-activations")
+    explicit: list[tuple[str, str]] = []
+    if flags.trainer == "swift":
+        if "recompute_granularity" in spec and granularity is None:
+            explicit.append(("--recompute-granularity", "none"))
+        if moe and params.get("etp") is None:
+            explicit.append(("--expert-tensor-parallel-size", str(tp)))  # Megatron's default: etp = tp
+    return Adjusted(sp, granularity, tuple(drop), tuple(explicit))
+
+
+def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,
+                argv: list[str] | None = None, *, moe: bool | None = None) -> dict[str, Any]:
     """Option name -> value for `inject`: a value sets the option; None removes it.
 
     `params` must hold exactly the parameters that apply (a normalized candidate or a tuned config):
     every preset option it does not name is removed from the command, so a stale
-    `--recompute-method` never reaches a selective-recompute run. Needs no model info, so the entry
+    `--recompute-method` never reaches a selective-recompute run. With the wrapped command (`argv`)
+    the user's own flags are adjusted for this candidate (`adjust`). Needs no model info, so the entry
     function can call it cheaply in every trial."""
     out: dict[str, Any] = {}
     for name, spec in (preset.get("params") or {}).items():
@@ -86,9 +204,25 @@ def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int) 
     fixed = preset.get("fixed") or {}
     if fixed.get("global_batch_size"):
         out[str(fixed["global_batch_size"])] = str(gbs)
+    adjusted = adjust(preset, params, facts(argv) if argv is not None else CommandFacts(), moe)
     if fixed.get("sequence_parallel"):
-        out[str(fixed["sequence_parallel"])] = int(params.get("tp", 1) or 1) > 1
+        out[str(fixed["sequence_parallel"])] = adjusted.sequence_parallel
+    out.update(adjusted.options())
     return out
+
+
+def policy_off(node: Mapping[str, Any] | None) -> frozenset[str]:
+    """The policy rules a config's ``prune:`` node switches off (``prune.policy.<name>: false``).
+    An unknown name is one clear error listing the policies."""
+    policy = (node or {}).get("policy") or {}
+    unknown = sorted(set(policy) - set(POLICIES))
+    if unknown:
+        raise UserError(f"prune.policy.{unknown[0]}: no such policy; the policies are {list(POLICIES)} "
+                         f"(Megatron's own rules cannot be switched off)")
+    for name, on in policy.items():
+        if not isinstance(on, bool):
+            raise UserError(f"prune.policy.{name}={on!r} must be true or false")
+    return frozenset(name for name, on in policy.items() if not on)
 
 
 def _choices(spec: Any, ctx: Context) -> tuple[Any, ...]:
@@ -97,7 +231,7 @@ def _choices(spec: Any, ctx: Context) -> tuple[Any, ...]:
     if spec == "mbs":
         return mbs_values(ctx.mbs_max, ctx.gbs)
     if isinstance(spec, str):
-        raise ValueError(f"preset values {spec!r} is not a list and not one of 'parallel', 'mbs'")
+        raise UserError(f"preset values {spec!r} is not a list and not one of 'parallel', 'mbs'")
     return tuple(spec)
 
 
@@ -109,6 +243,11 @@ class Survey:
     removed: Counter = field(default_factory=Counter)  # rule name -> candidates removed
     reasons: dict[str, str] = field(default_factory=dict)  # rule name -> one example reason
     valid: int = 0
+    notes: list[str] = field(default_factory=list)  # how the user's own flags are run (Space.notes)
+
+    def removed_by(self, kind: str) -> list[tuple[str, int]]:
+        """(rule, count) removed by rules of one kind (`megatron` or `policy`), most first."""
+        return [(rule, n) for rule, n in self.removed.most_common() if RULE_KINDS.get(rule, "megatron") == kind]
 
 
 class Space:
@@ -126,8 +265,11 @@ class Space:
         for name, spec in (preset.get("params") or {}).items():
             when = spec.get("when", "always")
             if when not in ("always", "moe", "vlm", "full_recompute"):
-                raise ValueError(f"preset parameter {name}: when={when!r} is not one of always|moe|vlm|full_recompute")
+                raise UserError(f"preset parameter {name}: when={when!r} is not one of always|moe|vlm|full_recompute")
             params.append(Param(name, str(spec["option"]), _choices(spec.get("values"), ctx), when))
+        mode = preset.get("sequence_parallel", "auto")
+        if mode not in ("auto", "command"):
+            raise UserError(f"preset.sequence_parallel={mode!r} is not one of auto|command")
         return cls(params, preset, ctx)
 
     # --- applicability ---------------------------------------------------------------------------
@@ -151,24 +293,67 @@ class Space:
         return tuple((k, n.get(k)) for k in self.params)
 
     # --- translations ----------------------------------------------------------------------------
+    def adjusted(self, cand: Mapping[str, Any]) -> Adjusted:
+        """How this candidate runs the user's own flags (see `adjust`)."""
+        return adjust(self.preset, self.normalize(cand), self.ctx.flags, self.ctx.model.is_moe)
+
     def layout(self, cand: Mapping[str, Any]) -> Layout:
         c = {**DEFAULTS, **self.normalize(cand)}
         moe = self.ctx.model.is_moe
+        flags = self.ctx.flags
+        adj = self.adjusted(cand)
+        pp = int(c["pp"])
         return Layout(
             n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs,
-            tp=int(c["tp"]), pp=int(c["pp"]), cp=int(c["cp"]),
+            tp=int(c["tp"]), pp=pp, cp=int(c["cp"]),
             ep=int(c["ep"]) if moe else 1,
             etp=int(c["etp"]) if moe and c.get("etp") is not None else None,
             mbs=int(c["mbs"]),
-            recompute_granularity=None if c.get("recompute_granularity") in (None, "none") else c["recompute_granularity"],
+            layers_per_virtual_stage=flags.layers_per_virtual_stage if pp > 1 else None,
+            vpp_size=flags.virtual_stages if pp > 1 else None,
+            recompute_granularity=adj.recompute_granularity,  # type: ignore[arg-type]
             recompute_method=c.get("recompute_method"),
             recompute_num_layers=c.get("recompute_num_layers"),
-            sequence_parallel=int(c["tp"]) > 1,
+            sequence_parallel=adj.sequence_parallel,
+            overlap_p2p=flags.overlap_p2p,
+            pipeline_extra_layers=flags.pipeline_extra_layers,
+            local_impl=flags.local_impl,
+            tp_comm_overlap=flags.tp_comm_overlap and "--tp-comm-overlap" not in adj.drop,
+            distribute_saved_activations=(flags.distribute_saved_activations
+                                          and "--distribute-saved-activations" not in adj.drop),
         )
 
     def options(self, cand: Mapping[str, Any]) -> dict[str, Any]:
-        """Option name -> value for `inject` (see `options_for`)."""
-        return options_for(self.preset, self.normalize(cand), self.ctx.gbs)
+        """Option name -> value for `inject` into the study's command (see `options_for`)."""
+        out = options_for(self.preset, self.normalize(cand), self.ctx.gbs, moe=self.ctx.model.is_moe)
+        adj = self.adjusted(cand)
+        fixed = self.preset.get("fixed") or {}
+        if fixed.get("sequence_parallel"):
+            out[str(fixed["sequence_parallel"])] = adj.sequence_parallel
+        out.update(adj.options())
+        return out
+
+    def notes(self) -> list[str]:
+        """What the study does with the user's own flags, one line each, for the space report."""
+        flags, moe = self.ctx.flags, self.ctx.model.is_moe
+        mode = str(self.preset.get("sequence_parallel", "auto"))
+        out = [sequence_parallel_note(flags, mode, moe)]  # type: ignore[arg-type]
+        if flags.recompute_activations and "recompute_granularity" in self.params:
+            out.append("--recompute-activations (Megatron's selective shorthand) is dropped: the "
+                       "recompute_granularity parameter decides recompute, so 'none' really runs none")
+        if flags.layers_per_virtual_stage or flags.virtual_stages:
+            out.append("virtual pipeline options are dropped at pp=1 and kept (and checked) at pp > 1")
+        if flags.tp_comm_overlap:
+            out.append("--tp-comm-overlap is dropped where sequence parallelism is off (tp=1)")
+        if flags.distribute_saved_activations:
+            out.append("--distribute-saved-activations is kept only with tp > 1, full recompute and no "
+                       "sequence parallelism (Megatron refuses it otherwise)")
+        if flags.pipeline_extra_layers:
+            out.append(f"the pipeline split counts {flags.pipeline_extra_layers} extra layer(s) "
+                       f"(--account-for-*-in-pipeline-split)")
+        if flags.trainer == "swift" and "recompute_granularity" in self.params:
+            out.append("ms-swift: 'none' is injected as --recompute_granularity none (ms-swift's default is selective)")
+        return out
 
     def vit_checkpointing(self, cand: Mapping[str, Any]) -> bool | None:
         v = self.normalize(cand).get("vit_gradient_checkpointing")
@@ -185,7 +370,9 @@ class Space:
         return out + self._check(self.layout(cand))
 
     def _check(self, lay: Layout) -> list[tuple[str, str]]:
-        skip = () if self.ctx.vlm_full_uniform_only else ("vlm_full_uniform_only",)
+        skip = set(self.ctx.policy_off)
+        if not self.ctx.vlm_full_uniform_only:
+            skip.add("vlm_full_uniform_only")
         return check(lay, self.ctx.model, skip=skip)
 
     # --- enumeration -----------------------------------------------------------------------------
@@ -219,6 +406,7 @@ class Space:
             survey.removed.update(counts.removed)
             for rule, why in counts.reasons.items():
                 survey.reasons.setdefault(rule, why)
+            survey.notes += [n for n in self.notes() if n not in survey.notes]
         return (dict(c) for c in valid)
 
     def _enumerate(self, survey: Survey) -> Iterator[Candidate]:

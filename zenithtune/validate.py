@@ -1,16 +1,19 @@
-"""Megatron's structural rules, in one place.
+"""Megatron's structural rules and zenithtune's pruning policy, in one place.
 
 Each rule is one function `(layout, model) -> reason | None`. The tuner's validator runs them on every
 candidate before launch; the built-in simulator (zenithtune.sim) runs the `megatron` rules on its own
 parsed arguments, so the two always agree on what Megatron accepts (see shared MEGATRON.md §Rules).
 
-Rules of kind ``megatron`` are what Megatron itself rejects. Rules of kind ``prune`` are the tuner's
-own policy (never launch something pointless); the simulator does not apply those.
-Rules whose inputs are unknown (a None field in ModelInfo) do not fire.
+Every rule says where it comes from:
 
-A ``prune`` rule that is a user-facing switch (e.g. preset ``vlm_full_uniform_only: false``) is turned
-off by name: ``check(layout, model, skip=("vlm_full_uniform_only",))``. Rule functions keep the one
-`(layout, model)` signature; the switch lives with the caller that owns the setting.
+* ``megatron``: Megatron itself rejects the configuration; the docstring cites the check (file and
+  function of Megatron-LM / megatron-core, checked against the sources of Aug 2026, core 0.19).
+  These are not optional, and they prune nothing Megatron accepts.
+* ``policy``: zenithtune's own preference (never launch something pointless or duplicate). Each is a
+  switch, on by default: ``prune.policy.<name>=false`` in the config turns it off
+  (``check(layout, model, skip=(name,))``).
+
+Rules whose inputs are unknown (a None field in ModelInfo) do not fire.
 """
 from __future__ import annotations
 
@@ -42,6 +45,11 @@ class Layout:
     recompute_num_layers: int | None = None
     sequence_parallel: bool = False
     overlap_p2p: bool = True  # Megatron's default; --no-overlap-p2p-communication makes interleaving need pp > 2
+    vpp_size: int | None = None  # --num-virtual-stages-per-pipeline-rank (ms-swift: --virtual_pipeline_model_parallel_size)
+    pipeline_extra_layers: int = 0  # --account-for-embedding/loss-in-pipeline-split: each counts as one layer
+    local_impl: bool = False  # --transformer-impl local: torch LayerNorm, which refuses sequence parallelism
+    tp_comm_overlap: bool = False  # --tp-comm-overlap
+    distribute_saved_activations: bool = False  # --distribute-saved-activations
 
     @property
     def expert_tp(self) -> int:
@@ -72,15 +80,26 @@ class Layout:
         """Megatron silently turns sequence parallelism off at tp == 1."""
         return self.sequence_parallel and self.tp > 1
 
+    def layers_per_stage(self, num_layers: int | None) -> int | None:
+        """Layers in the pipeline split per stage, the account-for-* extras included (as Megatron
+        counts them: arguments.py validate_args)."""
+        if not num_layers or self.pp <= 0:
+            return None
+        return (num_layers + self.pipeline_extra_layers) // self.pp
+
     def virtual_stages(self, num_layers: int | None) -> int:
         """Model chunks per pipeline stage (1 without interleaving)."""
-        if not self.layers_per_virtual_stage or not num_layers or self.pp <= 0:
+        if self.pp <= 1:
             return 1
-        per_stage = num_layers // self.pp
+        if self.vpp_size:
+            return self.vpp_size
+        per_stage = self.layers_per_stage(num_layers)
+        if not self.layers_per_virtual_stage or not per_stage:
+            return 1
         return max(1, per_stage // self.layers_per_virtual_stage)
 
 
-RuleKind = Literal["megatron", "prune"]
+RuleKind = Literal["megatron", "policy"]
 RuleFn = Callable[[Layout, ModelInfo], "str | None"]
 
 
@@ -96,9 +115,11 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-# --- the rules -------------------------------------------------------------------------------------
+# --- Megatron's rules (kind "megatron"): each docstring cites the check it mirrors --------------
 
 def world_divisible(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/parallel_state.py initialize_model_parallel: `world_size % (tp·pp·cp) != 0`
+    raises "world_size (N) is not divisible by ..."."""
     mp = lay.model_parallel
     if mp <= 0 or lay.n_gpus % mp:
         ok = [t for t in _divisors(lay.n_gpus) if (lay.n_gpus % (t * lay.pp * lay.cp) == 0)]
@@ -109,6 +130,8 @@ def world_divisible(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def expert_grid_divisible(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/parallel_state.py initialize_model_parallel: `world_size % (etp·ep·pp) != 0`
+    raises "... is not divisible by expert_tensor_model_pipeline_parallel size"."""
     grid = lay.expert_tp * lay.ep * lay.pp
     if grid <= 0 or lay.n_gpus % grid:
         return (f"world size ({lay.n_gpus}) is not divisible by expert tensor parallel size "
@@ -118,6 +141,8 @@ def expert_grid_divisible(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def experts_divisible(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/moe/moe_layer.py BaseMoELayer.__init__: `assert num_moe_experts %
+    ep_size == 0`; EP without experts has no expert layers to place."""
     if lay.ep <= 1:
         return None
     if model.num_experts is None:
@@ -132,6 +157,8 @@ def experts_divisible(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def tp_divides_heads(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__:
+    "num_attention_heads must be a multiple of tensor_model_parallel_size"."""
     a = model.num_attention_heads
     if a and a % lay.tp:
         return (f"number of attention heads ({a}) must be divisible by tensor model parallel size ({lay.tp})")
@@ -139,6 +166,8 @@ def tp_divides_heads(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def tp_fits_query_groups(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__:
+    "num_query_groups must be a multiple or divisor of tensor_model_parallel_size"."""
     g = model.num_query_groups
     if g and g % lay.tp and lay.tp % g:
         return (f"number of query groups ({g}) must be divisible by tensor model parallel size ({lay.tp}), "
@@ -147,6 +176,8 @@ def tp_fits_query_groups(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def hidden_divides_heads(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: without --kv-channels, `assert hidden_size %
+    num_attention_heads == 0`."""
     h, a = model.hidden_size, model.num_attention_heads
     if h and a and not model.kv_channels and h % a:
         return (f"hidden size ({h}) must be divisible by number of attention heads ({a}) "
@@ -155,6 +186,8 @@ def hidden_divides_heads(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def cp_divides_seq(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: "seq-length should be a multiple of 2 *
+    context-parallel-size if context-parallel-size > 1"."""
     s = model.seq_length
     if lay.cp > 1 and s and s % (2 * lay.cp):
         return (f"sequence length ({s}) must be divisible by 2 x context parallel size "
@@ -163,6 +196,8 @@ def cp_divides_seq(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def gbs_divisible(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/num_microbatches_calculator.py ConstantNumMicroBatchesCalculator: "global batch
+    size (B) is not divisible by micro batch size (b) times data parallel size (d)"."""
     d = lay.dp
     if d <= 0:
         return None  # world_divisible reports it
@@ -173,39 +208,67 @@ def gbs_divisible(lay: Layout, model: ModelInfo) -> str | None:
 
 
 def pp_divides_layers(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: "Number of layers should be divisible by the
+    pipeline-model-parallel size", where --account-for-embedding/loss-in-pipeline-split each add one
+    layer to the count (30 layers with both split evenly over pp=4)."""
     L = model.num_layers
-    if L and lay.pp > 1 and L % lay.pp:
-        return (f"number of layers ({L}) must be divisible by pipeline model parallel size ({lay.pp}) "
-                f"for an even pipeline; pp in {[p for p in _divisors(L) if p <= lay.n_gpus]} would")
+    if not L or lay.pp <= 1:
+        return None
+    total = L + lay.pipeline_extra_layers
+    if total % lay.pp:
+        extra = f" + {lay.pipeline_extra_layers} (account-for-* in the pipeline split)" if lay.pipeline_extra_layers else ""
+        ok = [p for p in _divisors(total) if p <= lay.n_gpus]
+        return (f"number of layers ({L}{extra}) must be divisible by pipeline model parallel size ({lay.pp}) "
+                f"for an even pipeline; pp in {ok} would")
     return None
 
 
 def virtual_pipeline(lay: Layout, model: ModelInfo) -> str | None:
+    """Interleaved (virtual) pipeline stages.
+
+    megatron/training/arguments.py validate_args: the layers per stage (account-for-* extras included)
+    must be divisible by --num-layers-per-virtual-pipeline-stage; with more than one chunk per stage
+    "pipeline-model-parallel size should be greater than 1" (> 2 without p2p overlap).
+    megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving: the
+    micro-batches come in groups of pp (microbatch_group_size_per_vp_stage defaults to pp), so fewer
+    than pp micro-batches, or a remainder 0 < m % pp < pp, raise."""
     v = lay.layers_per_virtual_stage
-    if not v:
+    if not v and not lay.vpp_size:
         return None
+    L = model.num_layers
+    if v and L and lay.pp > 0 and (L + lay.pipeline_extra_layers) % lay.pp == 0:
+        per_stage = (L + lay.pipeline_extra_layers) // lay.pp
+        if per_stage % v:
+            return (f"number of layers per pipeline stage ({per_stage}) must be divisible by number of "
+                    f"layers per virtual pipeline stage ({v})")
+    chunks = lay.vpp_size or (((L + lay.pipeline_extra_layers) // max(lay.pp, 1)) // v if v and L else 2)
+    if chunks <= 1:
+        return None  # Megatron sets the virtual size to None: no interleaving
+    what = f"--num-layers-per-virtual-pipeline-stage {v}" if v else f"{lay.vpp_size} virtual stages"
     if lay.overlap_p2p and lay.pp <= 1:
         return (f"when interleaved schedule is used, pipeline-model-parallel size should be greater than 1 "
-                f"(got {lay.pp}, --num-layers-per-virtual-pipeline-stage {v})")
+                f"(got {lay.pp}, {what})")
     if not lay.overlap_p2p and lay.pp <= 2:
         return (f"when interleaved schedule is used and p2p communication overlap is disabled, "
-                f"pipeline-model-parallel size should be greater than 2 (got {lay.pp})")
-    L = model.num_layers
-    if L and (L // lay.pp) % v:
-        return (f"number of layers per pipeline stage ({L // lay.pp}) must be divisible by number of "
-                f"layers per virtual pipeline stage ({v})")
-    if lay.dp > 0 and lay.microbatches < lay.pp:
-        return (f"interleaved schedule needs at least pipeline-model-parallel size ({lay.pp}) "
-                f"micro-batches per iteration (got {lay.microbatches})")
+                f"pipeline-model-parallel size should be greater than 2 (got {lay.pp}, {what})")
+    if lay.dp > 0:
+        m = lay.microbatches
+        if m < lay.pp or m % lay.pp:
+            return (f"interleaved schedule runs micro-batches in groups of pipeline-model-parallel size "
+                    f"({lay.pp}): the micro-batches per iteration must be a multiple of it (got {m})")
     return None
 
 
 def recompute_options(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__: granularity
+    full|selective; full needs a method (uniform|block) and --recompute-num-layers; selective forbids
+    --recompute-num-layers; arguments.py validate_args: selective forbids a method.
+
+    Megatron does NOT check --recompute-num-layers against the layers per stage: a uniform chunk that
+    does not divide the stage and a block count above it run (the runtime clips them); see the
+    `recompute_chunk` policy. A method without a granularity is ignored by Megatron."""
     g, m, n = lay.recompute_granularity, lay.recompute_method, lay.recompute_num_layers
     if g is None:
-        if m is not None or n is not None:
-            return (f"--recompute-method ({m}) / --recompute-num-layers ({n}) need --recompute-granularity full "
-                    f"(no granularity given)")
         return None
     if g == "selective":
         if m is not None:
@@ -219,66 +282,121 @@ def recompute_options(lay: Layout, model: ModelInfo) -> str | None:
         return f"recompute granularity must be 'full' or 'selective' (got {g!r})"
     if m not in ("uniform", "block"):
         return f"full recompute needs --recompute-method uniform|block (got {m!r})"
-    L = model.num_layers
-    if not n or n < 1:
-        per_stage_text = f" and the layers per pipeline stage ({L // lay.pp})" if L and lay.pp > 0 else ""
-        return f"full recompute needs --recompute-num-layers between 1{per_stage_text} (got {n})"
-    if L and lay.pp > 0:
-        per_stage = L // lay.pp
-        if m == "block" and n > per_stage:
-            return (f"recompute num layers ({n}) exceeds the layers per pipeline stage ({per_stage}) "
-                    f"with the block method")
-        if m == "uniform" and per_stage % n:
-            return (f"layers per pipeline stage ({per_stage}) are not divisible by the uniform recompute "
-                    f"chunk ({n})")
+    if n is None:
+        per_stage = lay.layers_per_stage(model.num_layers)
+        return (f"full recompute needs --recompute-num-layers"
+                + (f" between 1 and the layers per pipeline stage ({per_stage})" if per_stage else "") + " (got None)")
     return None
 
 
 def moe_needs_sequence_parallel(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/moe/moe_layer.py MoELayer.forward raises "During training,
+    performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence
+    parallelism" (sequence parallelism is silently off at tp == 1)."""
     if model.is_moe and lay.tp > 1 and not lay.sequence_parallel:
+        why = " (the command's --transformer-impl local cannot run it)" if lay.local_impl else " (add --sequence-parallel)"
         return (f"during training, performance may degrade if MoE ({model.num_experts} experts) and tensor "
                 f"parallelism (tensor model parallel size {lay.tp}) are enabled without also enabling sequence "
-                f"parallelism (add --sequence-parallel)")
+                f"parallelism{why}")
+    return None
+
+
+def local_impl_sequence_parallel(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/torch_norm.py WrappedTorchNorm: `assert not config.sequence_parallel,
+    "sequence parallel not supported by torch LayerNorm"` (--transformer-impl local)."""
+    if lay.local_impl and lay.sp_active:
+        return ("sequence parallel not supported by torch LayerNorm (--transformer-impl local); "
+                "drop --sequence-parallel or use --transformer-impl transformer_engine")
+    return None
+
+
+def tp_comm_overlap_needs_sp(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: "Tensor parallel communication/GEMM overlap can
+    happen only when sequence parallelism is enabled" (sequence parallelism is off at tp == 1)."""
+    if lay.tp_comm_overlap and not lay.sp_active:
+        return (f"tensor parallel communication/GEMM overlap (--tp-comm-overlap) can happen only when "
+                f"sequence parallelism is enabled (tp={lay.tp}, sequence parallel "
+                f"{'on' if lay.sequence_parallel else 'off'})")
+    return None
+
+
+def distribute_saved_activations(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: --distribute-saved-activations needs tp > 1, full
+    recompute and a recompute method; transformer_config.py TransformerConfig.__post_init__: "must be
+    false when sequence parallel is enabled"."""
+    if not lay.distribute_saved_activations:
+        return None
+    if lay.tp <= 1:
+        return "can distribute recomputed activations (--distribute-saved-activations) only across tensor model parallel groups (tp=1)"
+    if lay.recompute_granularity != "full" or lay.recompute_method is None:
+        return ("distributed recompute activations (--distribute-saved-activations) is only applicable to full "
+                f"recompute granularity with a method (got {lay.recompute_granularity or 'none'})")
+    if lay.sp_active:
+        return "--distribute-saved-activations must be off when sequence parallel is enabled"
     return None
 
 
 def moe_etp_bias(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__: "Bias in Moe
+    is only supported when ETP==1" (add_bias_linear is on unless --disable-bias-linear)."""
     if model.is_moe and lay.expert_tp > 1 and model.disable_bias_linear is False:
         return (f"expert tensor parallel size ({lay.expert_tp}) > 1 does not support bias in linear "
                 f"layers; add --disable-bias-linear")
     return None
 
 
-# --- the tuner's own pruning policy ----------------------------------------------------------------
+# --- zenithtune's policy (kind "policy"): preferences, each switchable with prune.policy.<name> ------
 
 def etp_not_above_tp(lay: Layout, model: ModelInfo) -> str | None:
+    """Policy: expert TP wider than dense TP only adds communication. Megatron accepts it."""
     if lay.etp is not None and lay.etp > lay.tp:
         return f"etp ({lay.etp}) > tp ({lay.tp}): expert TP wider than dense TP only adds communication"
     return None
 
 
 def etp_only_for_moe(lay: Layout, model: ModelInfo) -> str | None:
+    """Policy: ETP has no effect on a dense model (a duplicate run). Megatron accepts it."""
     if lay.etp not in (None, lay.tp) and model.num_experts is not None and not model.is_moe:
         return f"etp ({lay.etp}) has no effect on a dense model"
     return None
 
 
 def cp_only_when_seq_known_fits(lay: Layout, model: ModelInfo) -> str | None:
+    """Policy: fewer than 1024 tokens per CP rank cannot hide the ring's traffic. Megatron accepts it."""
     s = model.seq_length
     if lay.cp > 1 and s and s // lay.cp < 1024:
         return f"cp ({lay.cp}) leaves {s // lay.cp} tokens per rank (< 1024): the ring cannot hide its traffic"
     return None
 
 
+def recompute_chunk(lay: Layout, model: ModelInfo) -> str | None:
+    """Policy: a block count above the layers per stage runs exactly like the whole stage (Megatron
+    clips it: a duplicate run), and a uniform chunk that does not divide the stage leaves a ragged last
+    chunk. Megatron accepts both."""
+    if lay.recompute_granularity != "full" or not lay.recompute_num_layers:
+        return None
+    per_stage = lay.layers_per_stage(model.num_layers)
+    if not per_stage:
+        return None
+    n = lay.recompute_num_layers
+    if lay.recompute_method == "block" and n > per_stage:
+        return (f"block recompute of {n} layers exceeds the layers per pipeline stage ({per_stage}): it runs "
+                f"like {per_stage} (Megatron clips it)")
+    if lay.recompute_method == "uniform" and per_stage % n:
+        return f"uniform recompute chunk ({n}) does not divide the layers per pipeline stage ({per_stage})"
+    return None
+
+
 def vlm_full_uniform_only(lay: Layout, model: ModelInfo) -> str | None:
+    """Policy (upstream ZenithTune): VLMs recompute only with full/uniform. Megatron accepts the rest."""
     if not model.is_vlm:
         return None
     if lay.recompute_granularity == "selective":
         return ("VLM: selective recompute is not tried (upstream disables it for VLMs; "
-                "set vlm_full_uniform_only=false to allow it)")
+                "set prune.policy.vlm_full_uniform_only=false to allow it)")
     if lay.recompute_method == "block":
         return ("VLM: only the uniform recompute method is tried (upstream disables block for VLMs; "
-                "set vlm_full_uniform_only=false to allow it)")
+                "set prune.policy.vlm_full_uniform_only=false to allow it)")
     return None
 
 
@@ -295,27 +413,37 @@ RULES: tuple[Rule, ...] = (
     Rule("virtual_pipeline", "megatron", virtual_pipeline, "interleaving splits each stage into equal chunks"),
     Rule("recompute", "megatron", recompute_options, "recompute options must be consistent"),
     Rule("moe_sequence_parallel", "megatron", moe_needs_sequence_parallel, "MoE with TP requires SP"),
+    Rule("local_impl_sequence_parallel", "megatron", local_impl_sequence_parallel,
+         "the local implementation's torch LayerNorm refuses SP"),
+    Rule("tp_comm_overlap", "megatron", tp_comm_overlap_needs_sp, "TP comm overlap works on SP's collectives"),
+    Rule("distribute_saved_activations", "megatron", distribute_saved_activations,
+         "distributing the saved layer input needs TP, full recompute and no SP"),
     Rule("moe_etp_bias", "megatron", moe_etp_bias, "expert TP cannot shard biases"),
-    Rule("etp_le_tp", "prune", etp_not_above_tp, "ETP beyond TP adds traffic and never saves memory the dense part needs"),
-    Rule("etp_dense", "prune", etp_only_for_moe, "ETP only applies to expert layers"),
-    Rule("cp_short_seq", "prune", cp_only_when_seq_known_fits, "CP on short sequences is pure overhead"),
-    Rule("vlm_full_uniform_only", "prune", vlm_full_uniform_only,
-         "upstream ZenithTune recomputes VLMs only with full/uniform; a switch, see check(skip=...)"),
+    Rule("etp_le_tp", "policy", etp_not_above_tp, "ETP beyond TP adds traffic and never saves memory the dense part needs"),
+    Rule("etp_dense", "policy", etp_only_for_moe, "ETP only applies to expert layers"),
+    Rule("cp_short_seq", "policy", cp_only_when_seq_known_fits, "CP on short sequences is pure overhead"),
+    Rule("recompute_chunk", "policy", recompute_chunk,
+         "block counts above the stage duplicate the whole stage; uniform chunks should divide it"),
+    Rule("vlm_full_uniform_only", "policy", vlm_full_uniform_only,
+         "upstream ZenithTune recomputes VLMs only with full/uniform"),
 )
 
-RULES_BY_NAME = {r.name: r for r in RULES}
+POLICIES: tuple[str, ...] = tuple(r.name for r in RULES if r.kind == "policy")
+"""The switchable rules, in report order: `prune.policy.<name>: true|false` (all on by default)."""
+
+RULE_KINDS: dict[str, RuleKind] = {r.name: r.kind for r in RULES}
 
 
-def check(lay: Layout, model: ModelInfo, *, kinds: tuple[RuleKind, ...] = ("megatron", "prune"),
+def check(lay: Layout, model: ModelInfo, *, kinds: tuple[RuleKind, ...] = ("megatron", "policy"),
           rules: tuple[Rule, ...] | None = None, skip: Collection[str] = ()) -> list[tuple[str, str]]:
     """Every broken rule as (rule name, reason); empty means valid.
 
-    `skip` names rules the caller has switched off (only ``prune`` rules may be: Megatron's own
+    `skip` names rules the caller has switched off (only ``policy`` rules may be: Megatron's own
     rules are not optional)."""
-    unknown = set(skip) - {r.name for r in RULES if r.kind == "prune"}
+    unknown = set(skip) - set(POLICIES)
     if unknown:
-        raise ValueError(f"check(skip={sorted(unknown)}): only prune rules can be skipped; they are "
-                         f"{[r.name for r in RULES if r.kind == 'prune']}")
+        raise ValueError(f"check(skip={sorted(unknown)}): only policy rules can be switched off; they are "
+                         f"{list(POLICIES)}")
     out: list[tuple[str, str]] = []
     for rule in rules if rules is not None else RULES:
         if rule.kind not in kinds or rule.name in skip:
