@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zenithtune import resolvers  # noqa: F401  (registers ${zt.command:} and ${zt.python:})
 from zenithtune.inject import inject
-from zenithtune.run import FailureKind, classify, run
+from zenithtune.run import LOG_MAX_MB, FailureKind, classify, run
 from zenithtune.space import options_for
 from zenithtune.validate import Layout, required_env
 
@@ -101,7 +101,7 @@ def evaluate_output(cfg: DictConfig, output: str) -> float:
 def task(cfg: DictConfig) -> float:
     """Run one trial: inject this config's params into the command, run it, return its score."""
     from hydra.core.hydra_config import HydraConfig
-    from zenithtune.evaluate import NoMetric, peak_memory_mb
+    from zenithtune.evaluate import NoMetric, PeakMemory
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,12 +116,17 @@ def task(cfg: DictConfig) -> float:
                                                           "failure": {"kind": "invalid_args", "reason": problem}}))
             raise TrialFailure("invalid_args", f"not launched: {problem}")
     started = time.time()
+    evaluator, memory = build(cfg.evaluator), PeakMemory()
+    evaluator.begin()
+    # the trial dir marks every process of the trial (ZENITHTUNE_TRIAL): processes.kill_leftovers(<trial dir>)
     res = run(argv, log_path=log_path, timeout=_timeout(cfg), env=env,
-              echo=(lambda line: print(line, flush=True)) if cfg.get("echo") else None)
+              echo=(lambda line: print(line, flush=True)) if cfg.get("echo") else None,
+              on_line=lambda line: (evaluator.feed(line), memory.feed(line)),
+              trial_id=str(out_dir), log_max_mb=cfg.get("log_max_mb", LOG_MAX_MB))
     info: dict[str, Any] = {
         "argv": argv, "env": env, "returncode": res.returncode, "duration": res.duration,
         "started": started, "log": str(log_path), "timeout": _timeout(cfg),
-        "peak_memory_mb": peak_memory_mb(res.output),
+        "peak_memory_mb": memory.result(), "process": res.process.to_dict() if res.process else None,
     }
     failure = classify(res)
     score = None
@@ -129,9 +134,9 @@ def task(cfg: DictConfig) -> float:
         failure = (FailureKind.INTERRUPTED, "interrupted by the user (Ctrl-C)")
     if failure is None:
         try:
-            score = evaluate_output(cfg, res.output)
+            score = evaluator.result()
         except NoMetric as e:
-            failure = (FailureKind.NO_METRIC, str(e))
+            failure = (e.kind, str(e))
     info["score"] = score
     if failure is not None:
         info["failure"] = {"kind": failure[0].value, "reason": failure[1]}
@@ -160,13 +165,16 @@ def single_run(cfg: DictConfig) -> int:
     print("zenithtune: running " + shlex.join(argv), flush=True)
     for k, v in env.items():
         print(f"zenithtune: with {k}={v}", flush=True)
+    evaluator = build(cfg.evaluator)
+    evaluator.begin()
     res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=_timeout(cfg), env=env,
-              echo=lambda line: print(line, flush=True))
+              echo=lambda line: print(line, flush=True), on_line=evaluator.feed,
+              trial_id=str(out_dir), log_max_mb=cfg.get("log_max_mb", LOG_MAX_MB))
     if res.interrupted:
         return 130
     if res.returncode == 0:
         try:
-            score = evaluate_output(cfg, res.output)
+            score = evaluator.result()
             print(f"zenithtune: score {score:g} (log: {out_dir / TRIAL_LOG})", flush=True)
         except NoMetric:
             pass
