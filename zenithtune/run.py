@@ -222,29 +222,49 @@ class _Sink:
             self.log.discard()
             self.failed.set()
 
-    def line(self, raw: bytes, flush: bool = True) -> None:
+    def line(self, raw: bytes) -> None:
         """One line of the command's output, with its terminator."""
-        text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        self.batch([raw])
+
+    def batch(self, raws: list[bytes]) -> None:
+        """Lines read together (one pipe read): one log write, one OOM search, one lock for them all."""
+        if not raws:
+            return
+        texts = [raw.decode("utf-8", errors="replace").rstrip("\r\n") for raw in raws]
+        joined = "\n".join(texts) + "\n"
         with self.lock:
-            self._log_write(raw, flush)
-            self.lines += 1
-            self.tail.append(text + "\n")
-            self.size += len(text) + 1
+            self._log_write(b"".join(raws), True)
+            self.lines += len(raws)
+            self.tail.append(joined)
+            self.size += len(joined)
             while self.size > OUTPUT_CAP and len(self.tail) > 1:
                 self.size -= len(self.tail[0])
                 self.dropped += len(self.tail.popleft())
-            if self.oom_line is None and _OOM.search(text):
-                self.oom_line = _short(text)
+            if self.size > OUTPUT_CAP:  # one read alone is over the cap: keep its last whole lines
+                first = self.tail[0]
+                cut = first.find("\n", self.size - OUTPUT_CAP - 1) + 1 or len(first)
+                self.tail[0] = first[cut:]
+                self.size -= cut
+                self.dropped += cut
+            if self.oom_line is None:
+                m = _OOM.search(joined)
+                if m:
+                    self.oom_line = _short(joined[joined.rfind("\n", 0, m.start()) + 1:joined.find("\n", m.end())])
         if self.on_line is not None:
+            done = self.lines - len(raws)
             try:
-                self.on_line(text)
+                for text in texts:
+                    done += 1
+                    self.on_line(text)
             except Exception as exc:  # a broken evaluator must not stop the pipe from draining
                 self.on_line = None
-                self.feed_error = f"the evaluator failed on output line {self.lines}: {exc!r}"
+                self.feed_error = f"the evaluator failed on output line {done}: {exc!r}"
                 self.note(f"# zenithtune: {self.feed_error}; not evaluating the rest")
-        if self.echo is not None and not raw.endswith(b"\r"):  # \r: a progress-bar frame, log only
+        if self.echo is not None:
             try:
-                self.echo(text)
+                for raw, text in zip(raws, texts):
+                    if not raw.endswith(b"\r"):  # \r: a progress-bar frame, for the log only
+                        self.echo(text)
             except Exception as exc:  # a broken display must not stop the pipe from draining
                 self.echo = None
                 self.note(f"# zenithtune: echo failed ({exc!r}); live output off for this run")
@@ -253,10 +273,6 @@ class _Sink:
         """A zenithtune line in the log (header/footer); not part of the command's output."""
         with self.lock:
             self._log_write(text.encode("utf-8", errors="replace") + b"\n", True)
-
-    def flush(self) -> None:
-        with self.lock:
-            self._log_write(b"", True)
 
     def output(self) -> str:
         with self.lock:
@@ -278,8 +294,8 @@ def _pump(fd: int, sink: _Sink) -> None:
                 continue
             except OSError:
                 chunk = b""
-            if chunk:
-                buf += chunk
+            buf += chunk
+            batch: list[bytes] = []
             start = 0
             while True:
                 nl = buf.find(b"\n", start)
@@ -291,28 +307,29 @@ def _pump(fd: int, sink: _Sink) -> None:
                 else:
                     break
                 if skipping:
+                    sink.batch(batch)
+                    batch = []
                     sink.note(f"# zenithtune: {skipping + end - start} more bytes of that line skipped")
                     skipping = 0
                 else:
-                    sink.line(buf[start:end], flush=False)
+                    batch.append(buf[start:end])
                 start = end
             buf = buf[start:]
             if skipping:
                 skipping += len(buf)
                 buf = b""
             elif len(buf) > LINE_MAX:
-                sink.line(buf[:LINE_MAX] + b"\n", flush=False)
+                batch.append(buf[:LINE_MAX] + b"\n")
                 skipping = len(buf) - LINE_MAX
                 buf = b""
+            if not chunk and buf:
+                batch.append(buf)
+            sink.batch(batch)
             if not chunk:
-                if buf:
-                    sink.line(buf, flush=False)
                 if skipping:
                     sink.note(f"# zenithtune: {skipping} more bytes of that line skipped")
                 break
-            sink.flush()
     finally:
-        sink.flush()
         os.close(fd)
 
 
