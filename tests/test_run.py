@@ -57,6 +57,16 @@ def test_env_is_merged_over_os_environ(tmp_path: Path) -> None:
     assert res.output == "1 True\n"
 
 
+def test_every_trial_process_carries_the_marker(tmp_path: Path) -> None:
+    started: list = []
+    res = run([sys.executable, "-c", "import os; print(os.environ['ZENITHTUNE_TRIAL'], os.getpid())"],
+              log_path=tmp_path / "log.txt", timeout=30, trial_id="outputs/study_x/trial_7", on_start=started.append)
+    marker, pid = res.output.split()
+    assert marker == "outputs/study_x/trial_7" and int(pid) == res.process.pid
+    assert started == [res.process] and res.process.to_dict()["marker"] == marker
+    assert "# ZENITHTUNE_TRIAL=outputs/study_x/trial_7" in (tmp_path / "log.txt").read_text()
+
+
 def test_timeout_kills_grandchildren(tmp_path: Path) -> None:
     res = run([sys.executable, TREE, "--stubborn"], log_path=tmp_path / "log.txt", timeout=1.5, grace=0.3)
     tree = pids(res.output)

@@ -9,6 +9,12 @@ warm-up, and reduces the rest to one number with a *selector*:
 * ``harmonic`` — the right mean for rates (TFLOP/s, it/s): the rate of the whole run at equal work
   per interval
 
+Built in: ``megatron_throughput`` (TFLOP/s/GPU, needs --log-throughput), ``iteration_time``
+(samples or tokens per second per GPU from Megatron's elapsed time per iteration, always printed),
+``swift_speed`` (ms-swift's s/it) and ``regex`` (any number, your pattern). They are fed the output
+line by line while the command runs and keep only the values, so a metric anywhere in gigabytes of
+output counts. A score is a finite number > 0, or the trial fails (``no_metric`` / ``bad_metric``).
+
 Evaluators are instantiated by Hydra from ``conf/evaluator/*.yaml`` (``_target_``).
 """
 from __future__ import annotations
