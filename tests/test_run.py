@@ -124,6 +124,8 @@ def test_bad_timeout() -> None:
         run(["true"], log_path=None, timeout=0)
     with pytest.raises(ValueError, match="log_max_mb=0 must be a positive number"):
         run(["true"], log_path=None, timeout=1, log_max_mb=0)
+    with pytest.raises(ValueError, match="log_max_mb='abc' must be a positive number of MB, or null for no cap"):
+        run(["true"], log_path=None, timeout=1, log_max_mb="abc")  # type: ignore[arg-type]
 
 
 # --- processes that leave the group -------------------------------------------------------------

@@ -356,8 +356,9 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     """
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds, or None for no limit")
-    if log_max_mb is not None and not log_max_mb > 0:
-        raise ValueError(f"log_max_mb={log_max_mb} must be a positive number of MB, or null for no cap")
+    if log_max_mb is not None and (isinstance(log_max_mb, bool) or not isinstance(log_max_mb, (int, float))
+                                   or not log_max_mb > 0):
+        raise ValueError(f"log_max_mb={log_max_mb!r} must be a positive number of MB, or null for no cap")
     marker = trial_id or uuid.uuid4().hex
     extra = dict(env or {})
     if "PYTHONUNBUFFERED" not in os.environ and "PYTHONUNBUFFERED" not in extra:
@@ -408,7 +409,10 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     try:
         try:
             if on_start is not None:
-                on_start(process)
+                try:
+                    on_start(process)
+                except Exception as exc:  # not being able to record it is no reason to lose the trial
+                    sink.note(f"# zenithtune: could not record the trial's processes ({exc!r})")
             while proc.poll() is None:
                 if sink.failed.is_set():
                     sink.note("# zenithtune: stopping the command: the log cannot be written")
