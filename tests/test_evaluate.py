@@ -8,8 +8,9 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from zenithtune.evaluate import (SELECTORS, Evaluator, MegatronThroughput, NoMetric, Regex, SwiftSpeed,
-                                 peak_memory_mb, select)
+from zenithtune.evaluate import (SELECTORS, BadMetric, Evaluator, IterationTime, MegatronThroughput, NoMetric,
+                                 PeakMemory, Regex, SwiftSpeed, peak_memory_mb, select)
+from zenithtune.run import FailureKind, run
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "evaluator"
 
@@ -149,7 +150,8 @@ def test_evaluate(evaluator: Evaluator, output: str, expected: float | None) -> 
     (SwiftSpeed(), "{'loss': 1.0}\n", "no s/it in the output: 'train_speed(s/it)' or 'train_speed(iter/s)' in"),
     (Regex(r"tok/s: ([0-9.]+)"), "x\n", "no value in the output: pattern 'tok/s: ([0-9.]+)' matched none of 1 lines"),
     (Regex(r"tokens/s: ([0-9.]+)", metric_name="tokens/s"), "nothing\n", "no tokens/s in the output"),
-    (Regex(r"loss: (\S+)"), "loss: nan\n", "value is nan in the output"),
+    (IterationTime(64, 8), "no iteration lines\n", "no samples/s/GPU in the output: 'elapsed time per iteration (ms): X'"),
+    (IterationTime(64, 8), meg_line(1, 1.0), "found 1 samples/s/GPU value(s) but skip_first=1 drops them all"),
 ])
 def test_no_metric(evaluator: Evaluator, output: str, message: str) -> None:
     with pytest.raises(NoMetric) as err:
@@ -157,10 +159,117 @@ def test_no_metric(evaluator: Evaluator, output: str, message: str) -> None:
     assert message in err.value.reason
 
 
+ZERO_TFLOPS = "".join(meg_line(i, 0.0) + "\n" for i in range(1, 4))
+
+
+@pytest.mark.parametrize("evaluator, output, message", [
+    # Megatron rounds a tiny model's throughput to 0.0: point at the evaluator that still works
+    (MegatronThroughput(), ZERO_TFLOPS,
+     "TFLOP/s/GPU was 0 in all 3 logged values after warm-up (0: below the printed precision); "
+     "use evaluator=iteration_time"),
+    (MegatronThroughput(selector="mean"), ZERO_TFLOPS, "TFLOP/s/GPU was 0 in all 3 logged values"),
+    (MegatronThroughput(selector="mean", skip_first=1), meg_line(1, 0.0) + "\n" + meg_line(2, 400.0), None),
+    (MegatronThroughput(selector="mean"), meg_line(1, 400.0) + "\n" + meg_line(2, math.nan),
+     "TFLOP/s/GPU was nan in 1 of 2 logged values after warm-up (nan/inf: the run diverged or measured nothing)"),
+    (MegatronThroughput(), meg_line(1, math.inf), "TFLOP/s/GPU was inf in all 1 logged values"),
+    (MegatronThroughput(), meg_line(1, -3.0), "below 0"),
+    (IterationTime(64, 8), meg_line(1, 1.0, ms=100.0) + "\n" + meg_line(2, 1.0, ms=0.0),
+     "samples/s/GPU was inf in all 1 logged values"),
+    (Regex(r"loss: (\S+)"), "loss: nan\n", "value was nan in all 1 logged values"),
+    (Regex(r"step time ([0-9.]+) ms", direction="minimize"), "step time 0 ms\n", "value was 0 in all 1"),
+    (Regex(r"step time ([0-9.]+) ms", direction="minimize", selector="mean"),
+     "step time 0.0 ms\nstep time 0 ms\n", "0: below the printed precision"),
+])
+def test_bad_metric(evaluator: Evaluator, output: str, message: str | None) -> None:
+    """A score must be finite and > 0; nan/inf/0 get kind bad_metric, never the --log-throughput hint."""
+    if message is None:
+        assert evaluator.evaluate(output) == 400.0
+        return
+    with pytest.raises(BadMetric) as err:
+        evaluator.evaluate(output)
+    assert err.value.kind is FailureKind.BAD_METRIC
+    assert message in err.value.reason, err.value.reason
+    assert "--log-throughput" not in err.value.reason and "\n" not in err.value.reason
+
+
+def test_no_metric_kind() -> None:
+    with pytest.raises(NoMetric) as err:
+        MegatronThroughput().evaluate("nothing\n")
+    assert err.value.kind is FailureKind.NO_METRIC and not isinstance(err.value, BadMetric)
+
+
+@pytest.mark.parametrize("evaluator, output, expected", [
+    # warm-up line (9000 ms) dropped; 64 samples / 1.2345 s / 8 GPUs on the three others
+    (IterationTime(64, 8), MEGATRON_LOG, 64 / 1.2345 / 8),
+    (IterationTime(64, 8, seq_length=8192), MEGATRON_LOG, 64 / 1.2345 / 8 * 8192),
+    (IterationTime(64, 8, skip_first=0, selector="harmonic"), MEGATRON_LOG, 4 / (9.0 + 3 * 1.2345) * 64 / 8),
+    # a printed global batch size wins over gbs (ramp-up); a line without one uses gbs
+    (IterationTime(64, 8, skip_first=0, selector="last"), meg_line(1, 1.0, ms=500.0).replace("size:    64", "size:    32"),
+     32 / 0.5 / 8),
+    (IterationTime(16, 4, skip_first=0), " iteration 3/10 | elapsed time per iteration (ms): 250.0 |\n", 16.0),
+    # without --log-throughput and with a rounded 0.0 the iteration time still ranks
+    (IterationTime(64, 8, skip_first=0, selector="last"), ZERO_TFLOPS, 64 / 1.2345 / 8),
+])
+def test_iteration_time(evaluator: IterationTime, output: str, expected: float) -> None:
+    assert evaluator.evaluate(output) == pytest.approx(expected)
+    assert evaluator.direction == "maximize"
+
+
+def test_iteration_time_ranks_like_the_iteration_time() -> None:
+    fast = IterationTime(64, 8).evaluate(MEGATRON_LOG.replace("1234.5", "1000.0"))
+    slow = IterationTime(64, 8).evaluate(MEGATRON_LOG)
+    assert fast > slow
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"gbs": 0, "n_gpus": 8}, "evaluator.gbs=0 must be a whole number > 0"),
+    ({"gbs": 64, "n_gpus": True}, "evaluator.n_gpus=True must be a whole number > 0"),
+    ({"gbs": 64, "n_gpus": 8, "seq_length": -5}, "evaluator.seq_length=-5 must be a whole number > 0"),
+    ({"gbs": 64, "n_gpus": 8, "selector": "max"}, "selector 'max' is not one of"),
+])
+def test_iteration_time_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        IterationTime(**kwargs)
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("evaluator, steps, expected", [
+    # the only metric line is followed by 3 MB of ordinary output: the tail alone would miss it
+    (MegatronThroughput(), ["tflops=123.0", "noise=3e6"], 123.0),
+    (IterationTime(64, 8, skip_first=0), ["iter=200", "noise=3e6"], 40.0),
+    (SwiftSpeed(), ["swift=0.5", "noise=3e6"], 0.5),
+    # a huge line between metric lines is cut, not a reason to lose the metric after it
+    (MegatronThroughput(selector="mean"), ["tflops=100.0", "longline=5e6", "tflops=200.0"], 150.0),
+])
+def test_streamed_evaluation_sees_the_whole_output(evaluator: Evaluator, steps: list[str], expected: float) -> None:
+    import sys
+
+    evaluator.begin()
+    mem = PeakMemory()
+    res = run([sys.executable, str(FIXTURES / "printer.py"), *steps], log_path=None, timeout=60,
+              on_line=lambda line: (evaluator.feed(line), mem.feed(line)))
+    assert res.succeeded
+    assert evaluator.result() == pytest.approx(expected)
+    evaluator.begin()
+    with pytest.raises(NoMetric):
+        evaluator.result()  # begin() forgot the previous trial
+
+
+def test_peak_memory_fed_line_by_line() -> None:
+    mem = PeakMemory()
+    for line in MEGATRON_LOG.splitlines():
+        mem.feed(line)
+    assert mem.result() == 52311.25
+
+
 @pytest.mark.parametrize("evaluator, direction, metric_name", [
     (MegatronThroughput(), "maximize", "TFLOP/s/GPU"),
     (SwiftSpeed(), "minimize", "s/it"),
     (Regex("([0-9]+)"), "maximize", "value"),
+    (IterationTime(64, 8), "maximize", "samples/s/GPU"),
+    (IterationTime(64, 8, seq_length=4096), "maximize", "tokens/s/GPU"),
     (Regex("([0-9]+)", direction="minimize", metric_name="ms/step"), "minimize", "ms/step"),
 ])
 def test_direction_and_name(evaluator: Evaluator, direction: str, metric_name: str) -> None:
@@ -187,6 +296,7 @@ def test_peak_memory_mb(output: str, expected: float | None) -> None:
     ("megatron_throughput", {}, MegatronThroughput, MEGATRON_LOG, 420.0),
     ("swift_speed", {}, SwiftSpeed, SWIFT_MEGATRON_LOG, 2.0),
     ("regex", {"pattern": r"tokens/s: ([0-9.]+)"}, Regex, "tokens/s: 3\n", 3.0),
+    ("iteration_time", {"gbs": 64, "n_gpus": 8, "seq_length": None}, IterationTime, MEGATRON_LOG, 64 / 1.2345 / 8),
 ])
 def test_yaml_instantiates(name: str, overrides: dict, cls: type, output: str, expected: float) -> None:
     text = (CONF / f"{name}.yaml").read_text()

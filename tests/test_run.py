@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from zenithtune.processes import kill_leftovers
 from zenithtune.run import FailureKind, RunResult, classify, command_problem, run
 
-TREE = str(Path(__file__).parent / "fixtures" / "spawn_tree.py")
+FIXTURES = Path(__file__).parent / "fixtures"
+TREE = str(FIXTURES / "spawn_tree.py")
+ESCAPE = str(FIXTURES / "escape_tree.py")
+PRINTER = str(FIXTURES / "printer.py")
 
 
 def alive(pid: int) -> bool:
@@ -53,6 +57,16 @@ def test_env_is_merged_over_os_environ(tmp_path: Path) -> None:
     assert res.output == "1 True\n"
 
 
+def test_every_trial_process_carries_the_marker(tmp_path: Path) -> None:
+    started: list = []
+    res = run([sys.executable, "-c", "import os; print(os.environ['ZENITHTUNE_TRIAL'], os.getpid())"],
+              log_path=tmp_path / "log.txt", timeout=30, trial_id="outputs/study_x/trial_7", on_start=started.append)
+    marker, pid = res.output.split()
+    assert marker == "outputs/study_x/trial_7" and int(pid) == res.process.pid
+    assert started == [res.process] and res.process.to_dict()["marker"] == marker
+    assert "# ZENITHTUNE_TRIAL=outputs/study_x/trial_7" in (tmp_path / "log.txt").read_text()
+
+
 def test_timeout_kills_grandchildren(tmp_path: Path) -> None:
     res = run([sys.executable, TREE, "--stubborn"], log_path=tmp_path / "log.txt", timeout=1.5, grace=0.3)
     tree = pids(res.output)
@@ -71,7 +85,7 @@ def test_leftovers_of_a_finished_command_are_killed(tmp_path: Path) -> None:
     assert "grandchild" in tree, res.output
     assert res.returncode == 0 and not res.timed_out
     assert not any(alive(p) for p in tree.values())
-    assert "left processes in its group" in (tmp_path / "log.txt").read_text()
+    assert "left processes behind" in (tmp_path / "log.txt").read_text()
 
 
 def test_ctrl_c_kills_the_group_and_returns(tmp_path: Path) -> None:
@@ -108,6 +122,174 @@ def test_output_in_memory_is_capped(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 def test_bad_timeout() -> None:
     with pytest.raises(ValueError, match="timeout=0"):
         run(["true"], log_path=None, timeout=0)
+    with pytest.raises(ValueError, match="log_max_mb=0 must be a positive number"):
+        run(["true"], log_path=None, timeout=1, log_max_mb=0)
+    with pytest.raises(ValueError, match="log_max_mb='abc' must be a positive number of MB, or null for no cap"):
+        run(["true"], log_path=None, timeout=1, log_max_mb="abc")  # type: ignore[arg-type]
+
+
+# --- processes that leave the group -------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["setsid", "setpgid", "double-fork"])
+def test_timeout_kills_children_that_left_the_group(tmp_path: Path, mode: str) -> None:
+    res = run([sys.executable, ESCAPE, mode], log_path=tmp_path / "log.txt", timeout=2, grace=0.3)
+    escaped = [int(p) for p in re.findall(r"^escaped (\d+)$", res.output, re.M)]
+    assert res.timed_out and len(escaped) == 1, res.output
+    assert not alive(escaped[0]), f"the {mode} worker survived the timeout"
+
+
+@pytest.mark.parametrize("mode", ["setsid", "double-fork"])
+def test_leftovers_outside_the_group_are_killed_after_exit(tmp_path: Path, mode: str) -> None:
+    res = run([sys.executable, ESCAPE, mode, "--leader-exits"], log_path=tmp_path / "log.txt", timeout=20,
+              grace=0.3)
+    escaped = [int(p) for p in re.findall(r"^escaped (\d+)$", res.output, re.M)]
+    assert res.returncode == 0 and len(escaped) == 1, res.output
+    assert not alive(escaped[0])
+    assert "left processes behind" in (tmp_path / "log.txt").read_text()
+
+
+TUNER = """
+import json, sys
+from pathlib import Path
+from zenithtune.run import run
+run(sys.argv[2:], log_path=None, timeout=60, trial_id=sys.argv[1],
+    on_start=lambda p: Path(sys.argv[1]).write_text(json.dumps(p.to_dict())))
+"""
+
+
+def test_a_resumed_study_kills_what_a_killed_tuner_left(tmp_path: Path) -> None:
+    """kill -9 of the tuner leaves its trial running; the stored record finds and kills all of it."""
+    import json
+    import subprocess
+    import time
+
+    record_file = tmp_path / "trial_3.json"
+    pid_file = tmp_path / "pids.txt"
+    tuner = subprocess.Popen([sys.executable, "-c", TUNER, str(record_file), sys.executable, "-c",
+                              f"import subprocess, sys, time; subprocess.Popen([sys.executable, {ESCAPE!r}, "
+                              f"'double-fork'], stdout=open({str(pid_file)!r}, 'w')); time.sleep(30)"])
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and "escaped" in pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tuner.kill()
+    tuner.wait()
+    record = json.loads(record_file.read_text())
+    escaped = int(pid_file.read_text().split()[1])
+    assert alive(record["pid"]) and alive(escaped), "the fake trial should still run after kill -9 of the tuner"
+    killed = kill_leftovers(record, grace=0.3)
+    assert record["pid"] in killed and escaped in killed
+    assert not alive(record["pid"]) and not alive(escaped)
+    assert kill_leftovers(record, grace=0.3) == []
+    assert kill_leftovers({**record, "host": "some-other-node"}) == []
+
+
+# --- output: log cap, full disk, long lines, streaming -------------------------------------------
+
+def test_log_is_capped_keeping_head_and_tail(tmp_path: Path) -> None:
+    log = tmp_path / "trial.log"
+    res = run([sys.executable, PRINTER, "tflops=1.0", "noise=3e6", "tflops=2.0"], log_path=log, timeout=60,
+              log_max_mb=1)
+    assert res.succeeded
+    text = log.read_text()
+    assert log.stat().st_size < 1.05e6
+    assert "throughput per GPU (TFLOP/s/GPU): 1.0" in text and "throughput per GPU (TFLOP/s/GPU): 2.0" in text
+    cut = re.search(r"^# zenithtune: (\d+) bytes of output cut here \(log_max_mb=1 keeps", text, re.M)
+    assert cut and 1.9e6 < int(cut[1]) < 2.8e6, text[:2000]
+    assert text.rstrip().endswith("# result: exit code 0 after " + text.rstrip().rsplit("after ", 1)[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trial.log"]
+
+
+def test_full_disk_before_start_fails_clearly(tmp_path: Path) -> None:
+    res = run([sys.executable, PRINTER, "tflops=1.0"], log_path=Path("/dev/full"), timeout=30)
+    assert res.returncode is None and not res.succeeded
+    assert classify(res) == (FailureKind.LOG_WRITE, "stopped: cannot write /dev/full: No space left on device; "
+                                                    "free disk space or lower log_max_mb")
+
+
+class _FillingDisk:
+    """A log file on a disk that fills up after ``room`` bytes."""
+
+    def __init__(self, path: Path, room: int) -> None:
+        self.file = open(path, "wb")
+        self.room = room
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.room:
+            raise OSError(28, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.closed = True
+        self.file.close()
+
+
+def test_full_disk_mid_run_stops_the_trial_instead_of_hanging(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    monkeypatch.setattr("zenithtune.run._open_log", lambda path: _FillingDisk(path, 100_000))
+    res = run([sys.executable, PRINTER, "noise=1e6", "sleep=30", "tflops=1.0"], log_path=tmp_path / "trial.log",
+              timeout=60, grace=0.3)
+    assert not res.timed_out and not res.succeeded
+    kind, reason = classify(res)
+    assert kind is FailureKind.LOG_WRITE
+    assert reason == f"stopped: cannot write {tmp_path / 'trial.log'}: No space left on device; free disk space or lower log_max_mb"
+    assert not alive(res.process.pid)
+
+
+LONG_LINE_TUNER = """
+import resource, sys
+from zenithtune.run import run
+seen = []
+res = run(sys.argv[1:], log_path=None, timeout=120, on_line=lambda l: seen.append(len(l)))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, max(seen), len(seen), res.returncode)
+"""
+
+
+def test_a_huge_line_without_newline_takes_no_memory() -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", LONG_LINE_TUNER, sys.executable, PRINTER, "tflops=1.0",
+                          "longline=300e6", "tflops=2.0"], capture_output=True, text=True, check=True).stdout
+    rss_mb, longest, lines, code = map(int, out.split())
+    assert code == 0 and lines == 3
+    assert longest <= 64 * 1024
+    assert rss_mb < 150, f"the tuner grew to {rss_mb} MB reading a 300 MB line"
+
+
+def test_every_line_reaches_on_line_and_progress_bars_split(tmp_path: Path) -> None:
+    seen: list[str] = []
+    echoed: list[str] = []
+    res = run([sys.executable, PRINTER, "tflops=1.0", "noise=3e6", "bar=1000", "swift=0.5"], log_path=None,
+              timeout=60, on_line=seen.append, echo=echoed.append)
+    assert res.succeeded and res.lines == len(seen)
+    assert "throughput per GPU (TFLOP/s/GPU): 1.0" in seen[0]
+    # the last frame has no terminator before the log line: they arrive as one line, metric intact
+    assert seen[-1].endswith("]{'loss': '2.1', 'iteration': '2/100', 'train_speed(s/it)': '0.5'}")
+    assert sum(line.startswith("998/1000 [") for line in seen) == 1
+    assert not any(line.startswith("5/1000") for line in echoed), "progress-bar frames are not echoed"
+    assert len(res.output) <= 512 * 1024 + 200
+
+
+def test_oom_printed_with_exit_0_is_oom(tmp_path: Path) -> None:
+    res = run([sys.executable, PRINTER, "oom", "noise=2e6", "tflops=1.0"], log_path=None, timeout=60)
+    assert res.returncode == 0
+    kind, reason = classify(res)
+    assert kind is FailureKind.OOM
+    assert reason.startswith("exit code 0, but the output says: torch.OutOfMemoryError: CUDA out of memory.")
+
+
+def test_a_failing_on_line_does_not_stop_the_pipe(tmp_path: Path) -> None:
+    def feed(line: str) -> None:
+        raise ValueError("boom")
+
+    res = run([sys.executable, PRINTER, "noise=1e6", "tflops=1.0"], log_path=tmp_path / "log.txt", timeout=60,
+              on_line=feed)
+    assert res.returncode == 0 and "throughput per GPU" in res.output
+    assert classify(res) == (FailureKind.NO_METRIC, "the evaluator failed on output line 1: ValueError('boom')")
 
 
 # --- classification ---------------------------------------------------------------------------

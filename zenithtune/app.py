@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zenithtune.errors import UserError
-from zenithtune.evaluate import NoMetric, peak_memory_mb
+from zenithtune.evaluate import NoMetric, PeakMemory
 from zenithtune.inject import inject
 from zenithtune.job import screen_params
 from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Launched, write_run
@@ -56,23 +56,29 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
         if problem:
             write_run(out_dir / TRIAL_INFO, Launched(None, FailureKind.INVALID_ARGS.value, problem, argv=argv, env=env))
             raise TrialFailure(FailureKind.INVALID_ARGS.value, f"not launched: {problem}")
-    evaluator = build(conf.evaluator)
+    evaluator, memory = build(conf.evaluator), PeakMemory()
+    evaluator.begin()
     started = time.time()
+    # The trial dir marks every process of the trial (ZENITHTUNE_TRIAL): a resumed study finds what a
+    # killed tuner left running with processes.kill_leftovers(<trial dir>).
     res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
-              echo=(lambda line: print(line, flush=True)) if conf.echo else None)
+              echo=(lambda line: print(line, flush=True)) if conf.echo else None,
+              on_line=lambda line: (evaluator.feed(line), memory.feed(line)),
+              trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
     failure = classify(res)
     score = None
     if res.interrupted:
         failure = (FailureKind.INTERRUPTED, "interrupted by the user (Ctrl-C)")
     if failure is None:
         try:
-            score = float(evaluator.evaluate(res.output))
+            score = float(evaluator.result())
         except NoMetric as e:
-            failure = (FailureKind.NO_METRIC, str(e))
-    peak = peak_memory_mb(res.output)
+            failure = (e.kind, str(e))
+    peak = memory.result()
     report = Launched(score, failure[0].value if failure else None, failure[1] if failure else "",
                       duration=res.duration if res.duration is not None else time.time() - started,
-                      measured_gb=peak / 1024.0 if peak else None, argv=argv, env=env, log=str(log_path))
+                      measured_gb=peak / 1024.0 if peak else None, argv=argv, env=env, log=str(log_path),
+                      process=res.process.to_dict() if res.process else None)
     write_run(out_dir / TRIAL_INFO, report)
     if res.interrupted:
         raise KeyboardInterrupt
@@ -93,13 +99,15 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
     for k, v in env.items():
         print(f"zenithtune: with {k}={v}", flush=True)
     evaluator = build(conf.evaluator)
+    evaluator.begin()
     res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
-              echo=lambda line: print(line, flush=True))
+              echo=lambda line: print(line, flush=True), on_line=evaluator.feed,
+              trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
     if res.interrupted:
         return 130
     if res.returncode == 0:
         try:
-            score = evaluator.evaluate(res.output)
+            score = evaluator.result()
             print(f"zenithtune: score {score:g} (log: {out_dir / TRIAL_LOG})", flush=True)
         except NoMetric:
             pass

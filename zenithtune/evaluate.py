@@ -9,6 +9,12 @@ warm-up, and reduces the rest to one number with a *selector*:
 * ``harmonic`` — the right mean for rates (TFLOP/s, it/s): the rate of the whole run at equal work
   per interval
 
+Built in: ``megatron_throughput`` (TFLOP/s/GPU, needs --log-throughput), ``iteration_time``
+(samples or tokens per second per GPU from Megatron's elapsed time per iteration, always printed),
+``swift_speed`` (ms-swift's s/it) and ``regex`` (any number, your pattern). They are fed the output
+line by line while the command runs and keep only the values, so a metric anywhere in gigabytes of
+output counts. A score is a finite number > 0, or the trial fails (``no_metric`` / ``bad_metric``).
+
 Evaluators are instantiated by Hydra from ``conf/evaluator/*.yaml`` (``_target_``).
 """
 from __future__ import annotations
@@ -18,10 +24,13 @@ import logging
 import math
 import re
 import statistics
+from array import array
 from typing import Literal, Sequence, get_args
 
-__all__ = ["Evaluator", "NoMetric", "MegatronThroughput", "SwiftSpeed", "Regex", "select",
-           "peak_memory_mb", "Direction", "Selector", "SELECTORS"]
+from zenithtune.run import FailureKind
+
+__all__ = ["Evaluator", "NoMetric", "BadMetric", "MegatronThroughput", "IterationTime", "SwiftSpeed", "Regex",
+           "select", "peak_memory_mb", "PeakMemory", "Direction", "Selector", "SELECTORS"]
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +43,19 @@ _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 class NoMetric(Exception):
     """The command ran but its output has no usable metric (the trial fails as ``no_metric``)."""
 
+    kind = FailureKind.NO_METRIC
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class BadMetric(NoMetric):
+    """The output has the metric, but it cannot be a score: nan, inf, zero or negative (the trial fails
+    as ``bad_metric``). Strategies compare, divide and take logs of scores; only finite positive
+    numbers survive that."""
+
+    kind = FailureKind.BAD_METRIC
 
 
 def _check_selector(selector: str) -> None:
@@ -72,36 +91,62 @@ def select(values: Sequence[float], selector: Selector = "last", skip_first: int
     if selector == "median":
         return float(statistics.median(kept))
     if any(v <= 0 for v in kept):
-        raise NoMetric(f"harmonic mean needs positive {what} values, got {min(kept)}: use selector=mean")
+        raise BadMetric(f"harmonic mean needs positive {what} values, got {min(kept)}: use selector=mean")
     return statistics.harmonic_mean(kept)
 
 
 class Evaluator(abc.ABC):
-    """Reads one trial's output and returns its score.
+    """Reads one trial's output, line by line as the command prints it, and returns its score.
 
     Life of an evaluator:
 
-    1. **Construction.** Hydra instantiates it once per run from the ``evaluator`` config group
-       (``_target_`` + keyword arguments). Bad settings (unknown selector, broken regex) raise
-       ``ValueError`` here, before any trial is launched.
+    1. **Construction.** Hydra instantiates it from the ``evaluator`` config group (``_target_`` +
+       keyword arguments; ``${gbs}``-style interpolations give it the job's values). Bad settings
+       (unknown selector, broken regex, gbs=0) raise ``ValueError`` here, before any trial is launched.
     2. **Study setup.** The sweeper reads :attr:`direction` to create the Optuna study and
        :attr:`metric_name` to label values in progress lines, tables and plots.
-    3. **Each trial.** After the command exits with status 0, the entry function calls
-       :meth:`evaluate` with the trial's output (stdout and stderr merged, possibly only the tail of a
-       long run). It returns one float, or raises :class:`NoMetric` with a one-line reason, and the
-       trial is recorded as failed with kind ``no_metric``. Output of failed commands is never
-       evaluated.
+    3. **Each trial.** :meth:`begin` forgets the previous trial. While the command runs,
+       :meth:`feed` gets every output line (stdout and stderr merged, no line terminator, at most
+       64 kB of a line), on the runner's reader thread: it must be quick, keep only what it needs (the
+       values, never the lines: the output may be gigabytes) and not raise — a value it cannot use
+       is remembered and reported by :meth:`result`.
+    4. **Score.** After the command exits with status 0 (output of failed commands is never
+       scored), :meth:`result` returns the score: a finite number > 0. Otherwise it raises
+       :class:`NoMetric` (nothing to read: kind ``no_metric``) or :class:`BadMetric` (a metric that
+       is no score: nan, inf, 0 or below: kind ``bad_metric``), with a one-line reason that says how
+       to get a usable metric. Subclasses implement :meth:`measure`; :meth:`result` checks it.
 
-    Evaluators keep no state between calls: the same output always gives the same score, so a study
-    can be resumed or a trial re-evaluated from its log file.
+    :meth:`evaluate` runs steps 3–4 over a whole output at once (tests, re-scoring a trial.log): the
+    same output always gives the same score.
     """
 
     direction: Direction = "maximize"
     metric_name: str = "value"
 
+    def begin(self) -> None:
+        """Forget everything fed so far: a new trial starts."""
+
     @abc.abstractmethod
+    def feed(self, line: str) -> None:
+        """One line of the trial's output; remember what the score needs."""
+
+    @abc.abstractmethod
+    def measure(self) -> float:
+        """The score from what was fed; raises NoMetric / BadMetric when there is none."""
+
+    def result(self) -> float:
+        """:meth:`measure`, refused unless it is a finite number > 0 (BadMetric)."""
+        score = float(self.measure())
+        if not math.isfinite(score) or score <= 0:
+            raise BadMetric(f"{self.metric_name} score {score:g} is not a finite number > 0")
+        return score
+
     def evaluate(self, output: str) -> float:
-        """The trial's score from its output; raises NoMetric when there is none."""
+        """The score of a whole output (begin, feed every line, result)."""
+        self.begin()
+        for line in output.splitlines():
+            self.feed(line)
+        return self.result()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -109,10 +154,12 @@ class Evaluator(abc.ABC):
 
 
 class _PatternEvaluator(Evaluator):
-    """A regex finds every logged value; ``select`` reduces them. Shared by all built-in evaluators."""
+    """A regex finds every logged value, line by line; ``select`` reduces them. Shared by the built-in
+    evaluators. Patterns match within one line."""
 
     _hint = ""  # appended to the NoMetric reason when nothing matches: how the user gets the metric printed
     _wanted = ""  # what a matching line looks like, for that reason; empty = show the regex
+    _bad_hint = ""  # appended to the BadMetric reason: what else can score this run
 
     def __init__(self, pattern: str, *, selector: Selector = "last", skip_first: int = 0,
                  group: int | str = 1) -> None:
@@ -133,28 +180,61 @@ class _PatternEvaluator(Evaluator):
         self.skip_first = skip_first
         self._pattern = compiled
         self._group = group
+        self.begin()
+
+    def begin(self) -> None:
+        self._values = array("d")  # 8 bytes a value: flat even for a million logged intervals
+        self._lines = 0
+        self._not_number: str | None = None
+
+    def feed(self, line: str) -> None:
+        self._lines += 1
+        for m in self._pattern.finditer(line):
+            self._add(m, line)
+
+    def _add(self, m: re.Match[str], line: str) -> None:
+        text = m.group(self._group)
+        try:
+            self._values.append(float(text))
+        except (TypeError, ValueError):
+            if self._not_number is None:
+                self._not_number = text
 
     def values(self, output: str) -> list[float]:
-        """Every value the pattern finds, in order of appearance."""
-        found: list[float] = []
-        for m in self._pattern.finditer(output):
-            text = m.group(self._group)
-            try:
-                value = float(text)
-            except (TypeError, ValueError):
-                raise NoMetric(f"pattern {self._pattern.pattern!r} matched {text!r}, which is not a number") from None
-            if not math.isfinite(value):
-                raise NoMetric(f"{self.metric_name} is {text} in the output (the run diverged or measured nothing)")
-            found.append(value)
-        return found
+        """Every value the pattern finds in a whole output, in order of appearance."""
+        self.begin()
+        for line in output.splitlines():
+            self.feed(line)
+        return list(self._values)
 
-    def evaluate(self, output: str) -> float:
-        values = self.values(output)
+    def _no_values(self) -> NoMetric:
+        if self._not_number is not None:
+            return NoMetric(f"pattern {self._pattern.pattern!r} matched {self._not_number!r}, which is not a number")
+        wanted = self._wanted or f"pattern {self._pattern.pattern!r} matched"
+        return NoMetric(f"no {self.metric_name} in the output: {wanted} none of {self._lines} lines{self._hint}")
+
+    def _kept(self, values: Sequence[float]) -> list[float]:
+        """The values after warm-up; BadMetric when any of them is no measurement."""
         if not values:
-            wanted = self._wanted or f"pattern {self._pattern.pattern!r} matched"
-            raise NoMetric(f"no {self.metric_name} in the output: {wanted} none of "
-                           f"{len(output.splitlines())} lines{self._hint}")
-        return select(values, self.selector, self.skip_first, what=self.metric_name)
+            raise self._no_values()
+        if self.skip_first >= len(values):
+            select(values, self.selector, self.skip_first, what=self.metric_name)  # raises its NoMetric
+        kept = list(values[self.skip_first:])
+        odd = [v for v in kept if not math.isfinite(v) or v <= 0]
+        if odd:
+            shown = ", ".join(sorted({f"{v:g}" for v in odd}))
+            where = (f"all {len(kept)} logged values" if len(odd) == len(kept)
+                     else f"{len(odd)} of {len(kept)} logged values")
+            why = [text for test, text in (
+                (any(not math.isfinite(v) for v in odd), "nan/inf: the run diverged or measured nothing"),
+                (0.0 in odd, "0: below the printed precision"),
+                (any(v < 0 for v in odd), "below 0: no rate or time can be")) if test]
+            raise BadMetric(f"{self.metric_name} was {shown} in {where} after warm-up ({'; '.join(why)})"
+                            f"{self._bad_hint}")
+        return kept
+
+    def measure(self) -> float:
+        return select(self._kept(self._values), self.selector, 0, what=self.metric_name)
 
 
 class MegatronThroughput(_PatternEvaluator):
@@ -164,10 +244,55 @@ class MegatronThroughput(_PatternEvaluator):
     metric_name = "TFLOP/s/GPU"
     _hint = "; Megatron prints throughput only with --log-throughput: add it to the command"
     _wanted = "'throughput per GPU (TFLOP/s/GPU): X' in"
+    _bad_hint = ("; use evaluator=iteration_time, which scores by 'elapsed time per iteration (ms)' "
+                 "(always printed) instead")
 
     def __init__(self, selector: Selector = "last", skip_first: int = 0) -> None:
-        super().__init__(rf"throughput per GPU \(TFLOP/s/GPU\):\s*({_NUMBER})",
+        super().__init__(rf"throughput per GPU \(TFLOP/s/GPU\):\s*({_NUMBER}|nan|inf|-inf)",
                          selector=selector, skip_first=skip_first)
+
+
+class IterationTime(_PatternEvaluator):
+    """Samples (or tokens) per second per GPU from Megatron's ``elapsed time per iteration (ms)``,
+    maximized.
+
+    Megatron prints the elapsed time on every log line whatever the flags, while its TFLOP/s/GPU
+    needs ``--log-throughput`` and rounds to 0.0 on small models. A value is
+    ``gbs / (ms / 1000) / n_gpus`` samples/s/GPU, times ``seq_length`` for tokens/s/GPU when that
+    is given; the global batch size printed on the same line (``global batch size: N``) wins over
+    ``gbs``, so a batch-size ramp-up is measured right. Within one study gbs, n_gpus and seq_length
+    are fixed, so either unit ranks configurations exactly as the iteration time does; the unit
+    only makes the numbers comparable across studies. ``skip_first`` drops warm-up log lines (the
+    first carries compilation, allocator growth and NCCL setup).
+    """
+
+    direction: Direction = "maximize"
+    _hint = "; Megatron prints it on every log line (every --log-interval iterations): is this Megatron's output?"
+    _wanted = "'elapsed time per iteration (ms): X' in"
+    _GBS = re.compile(r"global batch size:\s*(\d+)")
+
+    def __init__(self, gbs: int, n_gpus: int, seq_length: int | None = None, selector: Selector = "harmonic",
+                 skip_first: int = 1) -> None:
+        for key, value in (("gbs", gbs), ("n_gpus", n_gpus), ("seq_length", seq_length)):
+            if value is None and key == "seq_length":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"evaluator.{key}={value!r} must be a whole number > 0 "
+                                 f"(iteration_time divides the batch by the time: set {key}=N)")
+        super().__init__(rf"elapsed time per iteration \(ms\):\s*({_NUMBER}|nan|inf)",
+                         selector=selector, skip_first=skip_first)
+        self.gbs = gbs
+        self.n_gpus = n_gpus
+        self.seq_length = seq_length
+        self.metric_name = "tokens/s/GPU" if seq_length else "samples/s/GPU"
+
+    def _add(self, m: re.Match[str], line: str) -> None:
+        ms = float(m.group(1))
+        batch = self._GBS.search(line)
+        samples = int(batch.group(1)) if batch else self.gbs
+        # 0 ms is no measurement: it becomes inf and is reported as a bad metric
+        rate = samples / (ms / 1000.0) / self.n_gpus if ms > 0 else (math.inf if ms == 0 else ms)
+        self._values.append(rate * (self.seq_length or 1))
 
 
 class SwiftSpeed(_PatternEvaluator):
@@ -179,7 +304,8 @@ class SwiftSpeed(_PatternEvaluator):
     logging interval — elapsed_k = speed_k · step_k, interval = Δelapsed / Δstep — using the step
     ms-swift logs next to it (``'iteration': '5/10'`` or ``'global_step/max_steps': '5/10'``). Then
     ``skip_first`` really drops warm-up and ``last`` is the steady-state speed. Without step fields the
-    running averages are used as logged (with a warning).
+    running averages are used as logged (with a warning). Fed line by line like the others: it keeps
+    the running averages and the intervals, two numbers a logged step.
     """
 
     direction: Direction = "minimize"
@@ -189,36 +315,49 @@ class SwiftSpeed(_PatternEvaluator):
     _STEP = re.compile(r"""['"](?:iteration|global_step/max_steps)['"]\s*:\s*['"](\d+)/\d+['"]""")
 
     def __init__(self, selector: Selector = "last", skip_first: int = 0, per_interval: bool = True) -> None:
-        super().__init__(rf"""['"]train_speed\((s/it|iter/s)\)['"]\s*:\s*({_NUMBER})""",
+        super().__init__(rf"""['"]train_speed\((s/it|iter/s)\)['"]\s*:\s*['"]?({_NUMBER}|nan|inf)""",
                          selector=selector, skip_first=skip_first, group=2)
         self.per_interval = per_interval
 
+    def begin(self) -> None:
+        super().begin()
+        self._intervals = array("d")
+        self._stepless = False
+        self._prev_step, self._prev_elapsed = 0, 0.0
+
+    def feed(self, line: str) -> None:
+        self._lines += 1
+        m = self._pattern.search(line)
+        if not m:
+            return
+        speed = float(m.group(2))
+        if speed <= 0 or not math.isfinite(speed):
+            return  # 0.0 is logged before the first step completes: no measurement yet
+        s_per_it = speed if m.group(1) == "s/it" else 1.0 / speed
+        self._values.append(s_per_it)
+        step_m = self._STEP.search(line)
+        if step_m is None:
+            self._stepless = True
+            return
+        step = int(step_m.group(1))
+        if step <= self._prev_step:
+            return  # a repeated line (e.g. printed by two ranks): no new interval
+        elapsed = s_per_it * step
+        self._intervals.append((elapsed - self._prev_elapsed) / (step - self._prev_step))
+        self._prev_step, self._prev_elapsed = step, elapsed
+
+    def measure(self) -> float:
+        values: Sequence[float] = self._values
+        if self.per_interval and self._values:
+            if self._stepless:
+                log.warning("SwiftSpeed: no step field next to train_speed; using ms-swift's running averages as logged")
+            else:
+                values = self._intervals
+        return select(self._kept(values), self.selector, 0, what=self.metric_name)
+
     def values(self, output: str) -> list[float]:
-        points: list[tuple[int | None, float]] = []  # (step, running s/it)
-        for line in output.splitlines():
-            m = self._pattern.search(line)
-            if not m:
-                continue
-            speed = float(m.group(2))
-            if speed <= 0 or not math.isfinite(speed):
-                continue  # 0.0 is logged before the first step completes: no measurement yet
-            s_per_it = speed if m.group(1) == "s/it" else 1.0 / speed
-            step = self._STEP.search(line)
-            points.append((int(step.group(1)) if step else None, s_per_it))
-        if not self.per_interval or not points:
-            return [s for _, s in points]
-        if any(step is None for step, _ in points):
-            log.warning("SwiftSpeed: no step field next to train_speed; using ms-swift's running averages as logged")
-            return [s for _, s in points]
-        intervals: list[float] = []
-        prev_step, prev_elapsed = 0, 0.0
-        for step, s_per_it in [(int(n or 0), s) for n, s in points]:
-            if step <= prev_step:
-                continue  # a repeated line (e.g. printed by two ranks): no new interval
-            elapsed = s_per_it * step
-            intervals.append((elapsed - prev_elapsed) / (step - prev_step))
-            prev_step, prev_elapsed = step, elapsed
-        return intervals
+        super().values(output)
+        return list(self._intervals if self.per_interval and not self._stepless else self._values)
 
 
 class Regex(_PatternEvaluator):
@@ -237,13 +376,33 @@ class Regex(_PatternEvaluator):
 
 
 _MEGATRON_MEMORY = re.compile(rf"memory \(MB\).*?\|\s*max allocated:\s*({_NUMBER})")
-_SWIFT_MEMORY = re.compile(rf"""['"]memory\(GiB\)['"]\s*:\s*({_NUMBER})""")
+_SWIFT_MEMORY = re.compile(rf"""['"]memory\(GiB\)['"]\s*:\s*['"]?({_NUMBER})""")
+
+
+class PeakMemory:
+    """Peak GPU memory the run reported, in MB, fed line by line like an evaluator: the largest
+    Megatron ``max allocated`` (from ``[Rank r] (after n iterations) memory (MB) | ...``, over all
+    ranks and lines) or ms-swift ``memory(GiB)`` × 1024. Megatron prints it once, after the first
+    iteration, so it must be caught as it goes by."""
+
+    def __init__(self) -> None:
+        self.peak: float | None = None
+
+    def feed(self, line: str) -> None:
+        if "memory" not in line:  # the common case, cheaply
+            return
+        found = [float(v) for v in _MEGATRON_MEMORY.findall(line)]
+        found += [float(v) * 1024 for v in _SWIFT_MEMORY.findall(line)]
+        if found:
+            self.peak = max([*found, *([self.peak] if self.peak is not None else [])])
+
+    def result(self) -> float | None:
+        return self.peak
 
 
 def peak_memory_mb(output: str) -> float | None:
-    """Peak GPU memory the run reported, in MB: the largest Megatron ``max allocated`` (from
-    ``[Rank r] (after n iterations) memory (MB) | ...``, over all ranks and lines) or ms-swift
-    ``memory(GiB)`` × 1024. None when the output reports neither."""
-    found = [float(v) for v in _MEGATRON_MEMORY.findall(output)]
-    found += [float(v) * 1024 for v in _SWIFT_MEMORY.findall(output)]
-    return max(found) if found else None
+    """:class:`PeakMemory` over a whole output; None when the output reports neither."""
+    mem = PeakMemory()
+    for line in output.splitlines():
+        mem.feed(line)
+    return mem.result()

@@ -39,7 +39,6 @@ class Attr:
     ARGV = "argv"  # the exact argv run
     ENV = "env"  # environment variables added to it
     LOG = "log"  # trial.log path
-    PID = "pid"  # process id of the launched command (finds what a killed tuner left running)
     DURATION = "duration"  # wall seconds
     TIMEOUT = "timeout"  # the limit the trial ran under
     PREDICTED_GB = "predicted_gb"
@@ -95,7 +94,7 @@ class Launched:
     argv: list[str] | None = None
     env: dict[str, str] | None = None
     log: str | None = None
-    pid: int | None = None
+    process: dict[str, Any] | None = None  # processes.TrialProcess: finds the trial's processes again
 
 
 def write_run(path: Path, run: Launched) -> None:

@@ -1,20 +1,31 @@
-"""Run one trial's command: own process group, live log, timeout, and what went wrong.
+"""Run one trial's command: every process it starts, a capped live log, timeout, what went wrong.
 
 A trial is a distributed job (torchrun and its workers, or ms-swift's launcher and its workers).
 Everything it starts must be gone before the next trial starts, or the leftovers hold GPU memory
 and the next trial OOMs for reasons that have nothing to do with its configuration. So the command
-runs in its own session/process group and every exit path — normal exit, timeout, Ctrl-C — ends
-with the whole group gone: SIGTERM, ``grace`` seconds to clean up, then SIGKILL.
+runs in its own session, carries a marker in its environment (:mod:`zenithtune.processes`), and
+every exit path — normal exit, timeout, Ctrl-C, a failed log write — ends with all of its processes
+gone, including those that left the group (setsid, double fork): SIGTERM, ``grace`` seconds to
+clean up, then SIGKILL.
 
-The output is read line by line (stdout and stderr merged, as a user sees them in a terminal) and
-goes to three places: the trial's log file (everything, flushed per line so it can be tailed),
-the ``echo`` callback (live display), and memory (the last few MB, which is what the evaluator
-and :func:`classify` look at).
+The output (stdout and stderr merged, as a user sees them in a terminal) is read in chunks and
+split into lines (``\\n``, ``\\r\\n`` or a lone ``\\r`` as progress bars print), each line cut at
+:data:`LINE_MAX` bytes. Each line goes to:
+
+* the trial's log file, flushed as it comes so it can be tailed, capped at ``log_max_mb``: the
+  first and last halves are kept with a marker line saying how much was cut between them;
+* ``on_line`` (the evaluator, fed as the run goes, so a metric anywhere in the output counts);
+* ``echo`` (live display);
+* memory: only the last :data:`OUTPUT_CAP` characters, for :func:`classify` and the error tail.
+
+Memory stays flat whatever the command prints. A log that cannot be written (full disk) stops the
+trial with kind ``log_write`` instead of blocking the command on a pipe nobody drains.
 """
 from __future__ import annotations
 
 import collections
 import datetime as _dt
+import errno
 import os
 import re
 import shlex
@@ -23,16 +34,27 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import IO, Callable
 
-__all__ = ["FailureKind", "RunResult", "run", "classify", "command_problem", "OUTPUT_CAP"]
+from zenithtune.processes import MARKER_ENV, TrialProcess, kill_tree, members
 
-OUTPUT_CAP = 2 * 1024 * 1024
-"""Characters of output kept in memory (the tail); the log file always gets everything."""
+__all__ = ["FailureKind", "RunResult", "run", "classify", "command_problem", "OUTPUT_CAP", "LINE_MAX",
+           "LOG_MAX_MB"]
 
+OUTPUT_CAP = 512 * 1024
+"""Characters of output kept in memory (the tail), for the failure reason; the evaluator sees every line."""
+
+LINE_MAX = 64 * 1024
+"""Bytes of one line kept; the rest of a longer line is skipped (counted in the log)."""
+
+LOG_MAX_MB = 50.0
+"""Default cap on trial.log (MB): the first and the last half are kept."""
+
+_CHUNK = 64 * 1024
 _REASON_MAX = 300  # a reason is one line in a table; the log has the rest
 
 
@@ -43,8 +65,10 @@ class FailureKind(str, Enum):
     TIMEOUT = "timeout"
     CRASH = "crash"
     NO_METRIC = "no_metric"  # decided by the evaluator: exit 0 but nothing to read
+    BAD_METRIC = "bad_metric"  # decided by the evaluator: a metric, but not a finite positive score (0, nan, inf)
     INVALID_ARGS = "invalid_args"
     INTERRUPTED = "interrupted"
+    LOG_WRITE = "log_write"  # trial.log could not be written (full disk, read-only folder): stopped, not hung
 
 
 @dataclass
@@ -54,80 +78,111 @@ class RunResult:
     argv: list[str]
     returncode: int | None  # None: the command never started (see output for why); <0: killed by signal
     output: str  # merged stdout+stderr, at most OUTPUT_CAP characters (the tail)
-    duration: float  # seconds, start to the whole group gone
+    duration: float  # seconds, start to every process gone
     timed_out: bool
     interrupted: bool  # Ctrl-C arrived while it ran; the caller decides whether to stop the study
     log_path: Path | None
+    process: TrialProcess | None = None  # what finds its processes again (store it with the trial)
+    log_error: str | None = None  # why trial.log could not be written; the run was stopped
+    oom_line: str | None = None  # the first out-of-memory line anywhere in the output (the tail may not have it)
+    feed_error: str | None = None  # on_line raised: the evaluator saw only part of the output
+    lines: int = 0  # lines read
 
     @property
     def succeeded(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and not self.interrupted
+        return (self.returncode == 0 and not self.timed_out and not self.interrupted
+                and self.log_error is None)
 
 
 # ---------------------------------------------------------------------------------------------
-# process group handling
+# the log file
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of the group is still running. Zombies do not count: an orphan reaped late
-    by init holds no GPU memory, and in containers init may never reap it at all."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        return True  # no /proc (macOS): killpg's answer is the best we have
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
+def _open_log(path: Path) -> IO[bytes]:
+    return open(path, "wb")
+
+
+class _CappedLog:
+    """trial.log, at most ``max_bytes``: the head is written in place; past half the cap, output
+    goes to two rotating ``.tail`` segment files next to it, and at close the marker line and the
+    last segments are appended. Disk use never exceeds the cap (plus one line), memory holds none
+    of it. Any OSError propagates: the caller stops the run."""
+
+    def __init__(self, path: Path, max_bytes: int | None) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.file = _open_log(path)
+        self.head_left = max_bytes // 2 if max_bytes else None
+        self.segment_max = (max_bytes - max_bytes // 2) // 2 if max_bytes else 0
+        self.segments: list[Path] = []
+        self.segment: IO[bytes] | None = None
+        self.segment_size = 0
+        self.cut = 0
+        self.rotations = 0
+
+    def write(self, data: bytes) -> None:
+        if self.head_left is None or (self.segment is None and len(data) <= self.head_left):
+            self.file.write(data)
+            if self.head_left is not None:
+                self.head_left -= len(data)
+            return
+        if self.segment is None or self.segment_size >= self.segment_max:
+            self.segment = self._rotate()
+        self.segment.write(data)
+        self.segment_size += len(data)
+
+    def _rotate(self) -> IO[bytes]:
+        if self.segment is None:
+            self.file.write(f"# zenithtune: trial.log reached half of log_max_mb={self.max_bytes / 1e6:g}; "
+                            f"the rest goes to {self.path.name}.tail* and its end is appended here when "
+                            f"the run ends\n".encode())
+            self.file.flush()
+        else:
+            self.segment.close()
+        if len(self.segments) == 2:
+            old = self.segments.pop(0)
+            self.cut += old.stat().st_size
+            old.unlink()
+        self.rotations += 1
+        seg = self.path.with_name(f"{self.path.name}.tail{self.rotations % 2}")
+        self.segments.append(seg)
+        self.segment_size = 0
+        return _open_log(seg)
+
+    def flush(self) -> None:
+        self.file.flush()
+        if self.segment is not None:
+            self.segment.flush()
+
+    def close(self) -> None:
+        """Put the tail back into trial.log, with the marker saying how much was cut."""
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
+            if self.segment is not None:
+                self.segment.close()
+                if self.cut:
+                    self.file.write(f"# zenithtune: {self.cut} bytes of output cut here "
+                                    f"(log_max_mb={self.max_bytes / 1e6:g} keeps the first and the last part)\n"
+                                    .encode())
+                for seg in self.segments:
+                    with open(seg, "rb") as src:
+                        shutil.copyfileobj(src, self.file)
+            self.file.close()
+        finally:
+            self.discard()
 
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill_group(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the group, give it ``grace`` seconds, SIGKILL whatever is left. A second Ctrl-C during
-    the grace period skips straight to SIGKILL."""
-    pgid = proc.pid
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    try:
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the leader so it does not linger as a zombie
-            if not _group_alive(pgid):
-                return
-            time.sleep(0.02)
-    except KeyboardInterrupt:
-        pass
-    _signal_group(pgid, signal.SIGKILL)
-    # SIGKILL is delivered asynchronously: wait until the group is really gone, so the next trial
-    # never starts next to a dying worker. A process in uninterruptible sleep (D state) may outlast
-    # this; nothing more can be done about it from here.
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        proc.poll()
-        if not _group_alive(pgid):
-            break
-        time.sleep(0.01)
-    try:
-        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
+    def discard(self) -> None:
+        for seg in self.segments:
+            try:
+                seg.unlink()
+            except OSError:
+                pass
+        self.segments = []
+        for f in (self.file, self.segment):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:  # flushing a full disk fails again: nothing more to save
+                    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,29 +190,81 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
 
 
 class _Sink:
-    """Where output lines go: log file, echo, bounded in-memory tail. Shared with the reader thread."""
+    """Where output lines go: log file, on_line, echo, bounded in-memory tail. Shared with the reader
+    thread; nothing here may raise into it (a dead reader leaves the command blocked on a full pipe)."""
 
-    def __init__(self, log: IO[str] | None, echo: Callable[[str], None] | None) -> None:
+    def __init__(self, log: _CappedLog | None, echo: Callable[[str], None] | None,
+                 on_line: Callable[[str], None] | None) -> None:
         self.log = log
         self.echo = echo
+        self.on_line = on_line
         self.lock = threading.Lock()
         self.tail: collections.deque[str] = collections.deque()
         self.size = 0
         self.dropped = 0
+        self.lines = 0
+        self.log_error: str | None = None
+        self.feed_error: str | None = None
+        self.oom_line: str | None = None
+        self.failed = threading.Event()  # set when the log cannot be written: the run must stop
+        self.closed = False
 
-    def line(self, text: str) -> None:
-        with self.lock:
-            if self.log is not None and not self.log.closed:
-                self.log.write(text)
+    def _log_write(self, data: bytes, flush: bool) -> None:
+        if self.log is None or self.log_error is not None or self.closed:
+            return
+        try:
+            self.log.write(data)
+            if flush:
                 self.log.flush()
-            self.tail.append(text)
-            self.size += len(text)
+        except OSError as exc:
+            self.log_error = f"cannot write {self.log.path}: {exc.strerror or exc}" + (
+                "; free disk space or lower log_max_mb" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+            self.log.discard()
+            self.failed.set()
+
+    def line(self, raw: bytes) -> None:
+        """One line of the command's output, with its terminator."""
+        self.batch([raw])
+
+    def batch(self, raws: list[bytes]) -> None:
+        """Lines read together (one pipe read): one log write, one OOM search, one lock for them all."""
+        if not raws:
+            return
+        texts = [raw.decode("utf-8", errors="replace").rstrip("\r\n") for raw in raws]
+        joined = "\n".join(texts) + "\n"
+        with self.lock:
+            self._log_write(b"".join(raws), True)
+            self.lines += len(raws)
+            self.tail.append(joined)
+            self.size += len(joined)
             while self.size > OUTPUT_CAP and len(self.tail) > 1:
                 self.size -= len(self.tail[0])
                 self.dropped += len(self.tail.popleft())
+            if self.size > OUTPUT_CAP:  # one read alone is over the cap: keep its last whole lines
+                first = self.tail[0]
+                cut = first.find("\n", self.size - OUTPUT_CAP - 1) + 1 or len(first)
+                self.tail[0] = first[cut:]
+                self.size -= cut
+                self.dropped += cut
+            if self.oom_line is None:
+                m = _OOM.search(joined)
+                if m:
+                    self.oom_line = _short(joined[joined.rfind("\n", 0, m.start()) + 1:joined.find("\n", m.end())])
+        if self.on_line is not None:
+            done = self.lines - len(raws)
+            try:
+                for text in texts:
+                    done += 1
+                    self.on_line(text)
+            except Exception as exc:  # a broken evaluator must not stop the pipe from draining
+                self.on_line = None
+                self.feed_error = f"the evaluator failed on output line {done}: {exc!r}"
+                self.note(f"# zenithtune: {self.feed_error}; not evaluating the rest")
         if self.echo is not None:
             try:
-                self.echo(text.rstrip("\r\n"))
+                for raw, text in zip(raws, texts):
+                    if not raw.endswith(b"\r"):  # \r: a progress-bar frame, for the log only
+                        self.echo(text)
             except Exception as exc:  # a broken display must not stop the pipe from draining
                 self.echo = None
                 self.note(f"# zenithtune: echo failed ({exc!r}); live output off for this run")
@@ -165,9 +272,7 @@ class _Sink:
     def note(self, text: str) -> None:
         """A zenithtune line in the log (header/footer); not part of the command's output."""
         with self.lock:
-            if self.log is not None and not self.log.closed:
-                self.log.write(text + "\n")
-                self.log.flush()
+            self._log_write(text.encode("utf-8", errors="replace") + b"\n", True)
 
     def output(self) -> str:
         with self.lock:
@@ -176,10 +281,56 @@ class _Sink:
             return head + "".join(self.tail)
 
 
-def _pump(stream: IO[bytes], sink: _Sink) -> None:
-    for raw in iter(stream.readline, b""):
-        sink.line(raw.decode("utf-8", errors="replace"))
-    stream.close()
+def _pump(fd: int, sink: _Sink) -> None:
+    """Read the pipe to its end, in chunks, whatever happens downstream. Lines end at \\n, \\r\\n or
+    a lone \\r; a line longer than LINE_MAX is cut there and the rest of it skipped."""
+    buf = b""
+    skipping = 0  # bytes of an over-long line skipped so far
+    try:
+        while True:
+            try:
+                chunk = os.read(fd, _CHUNK)
+            except InterruptedError:
+                continue
+            except OSError:
+                chunk = b""
+            buf += chunk
+            batch: list[bytes] = []
+            start = 0
+            while True:
+                nl = buf.find(b"\n", start)
+                cr = buf.find(b"\r", start, nl if nl >= 0 else len(buf))
+                if cr >= 0 and (cr + 1 < len(buf) or not chunk):  # a \r followed by \n is one \r\n
+                    end = cr + 2 if buf[cr + 1:cr + 2] == b"\n" else cr + 1
+                elif nl >= 0 and cr < 0:
+                    end = nl + 1
+                else:
+                    break
+                if skipping:
+                    sink.batch(batch)
+                    batch = []
+                    sink.note(f"# zenithtune: {skipping + end - start} more bytes of that line skipped")
+                    skipping = 0
+                else:
+                    batch.append(buf[start:end])
+                start = end
+            buf = buf[start:]
+            if skipping:
+                skipping += len(buf)
+                buf = b""
+            elif len(buf) > LINE_MAX:
+                batch.append(buf[:LINE_MAX] + b"\n")
+                skipping = len(buf) - LINE_MAX
+                buf = b""
+            if not chunk and buf:
+                batch.append(buf)
+            sink.batch(batch)
+            if not chunk:
+                if skipping:
+                    sink.note(f"# zenithtune: {skipping} more bytes of that line skipped")
+                break
+    finally:
+        os.close(fd)
 
 
 def _added_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -188,78 +339,123 @@ def _added_env(env: dict[str, str] | None) -> dict[str, str]:
 
 def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
         env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-        echo: Callable[[str], None] | None = None, grace: float = 5.0) -> RunResult:
+        echo: Callable[[str], None] | None = None, grace: float = 5.0,
+        on_line: Callable[[str], None] | None = None, log_max_mb: float | None = LOG_MAX_MB,
+        trial_id: str | None = None, on_start: Callable[[TrialProcess], None] | None = None) -> RunResult:
     """Run ``argv`` (no shell) to completion, timeout or Ctrl-C; never leaves a process behind.
 
     ``env`` is merged over ``os.environ``; PYTHONUNBUFFERED=1 is added unless set, so Python trainers
-    stream their lines as they happen instead of in 8 kB blocks (it shows in the log header).
-    ``timeout`` (seconds, None = none) kills the whole process group. Ctrl-C kills it the same way and
-    returns ``interrupted=True`` instead of raising: the caller decides whether the study stops.
+    stream their lines as they happen instead of in 8 kB blocks (it shows in the log header), and
+    ``ZENITHTUNE_TRIAL=<trial_id>`` (a fresh id when None) marks every process of the trial.
+    ``timeout`` (seconds, None = none) kills them all. Ctrl-C kills them the same way and returns
+    ``interrupted=True`` instead of raising: the caller decides whether the study stops.
+    ``on_line`` gets every output line (no terminator) as it comes, on the reader thread.
+    ``on_start`` gets the :class:`TrialProcess` record right after the start: store it, so that a
+    resumed study can kill what this run leaves behind if the tuner itself is killed.
+    ``log_max_mb`` caps ``log_path`` (None = no cap).
     """
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds, or None for no limit")
+    if log_max_mb is not None and (isinstance(log_max_mb, bool) or not isinstance(log_max_mb, (int, float))
+                                   or not log_max_mb > 0):
+        raise ValueError(f"log_max_mb={log_max_mb!r} must be a positive number of MB, or null for no cap")
+    marker = trial_id or uuid.uuid4().hex
     extra = dict(env or {})
     if "PYTHONUNBUFFERED" not in os.environ and "PYTHONUNBUFFERED" not in extra:
         extra["PYTHONUNBUFFERED"] = "1"
     added = _added_env(extra)
-    log: IO[str] | None = None
+    extra[MARKER_ENV] = marker
+    start = time.monotonic()
+    log: _CappedLog | None = None
+    log_error = None
     if log_path is not None:
         log_path = Path(log_path)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "w", encoding="utf-8", errors="replace")
-    sink = _Sink(log, echo)
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = _CappedLog(log_path, int(log_max_mb * 1e6) if log_max_mb else None)
+        except OSError as exc:
+            log_error = f"cannot create {log_path}: {exc.strerror or exc}"
+    sink = _Sink(log, echo, on_line)
     sink.note(f"# command: {shlex.join(argv)}")
     sink.note("# env added: " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in added.items()) or "(none)"))
     sink.note(f"# cwd: {Path(cwd or os.getcwd()).resolve()}")
     sink.note(f"# started: {_dt.datetime.now().isoformat(timespec='seconds')}")
+    sink.note(f"# {MARKER_ENV}={marker}")
     sink.note("# " + "-" * 70)
+    log_error = log_error or sink.log_error
+    if log_error:  # no log, no trial: a run nobody can read back is wasted GPU time
+        sink.line(f"zenithtune: not started: {log_error}\n".encode())
+        return RunResult(list(argv), None, sink.output(), time.monotonic() - start, False, False, log_path,
+                         log_error=log_error)
 
-    start = time.monotonic()
     timed_out = interrupted = False
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env={**os.environ, **extra}, cwd=cwd,
                                 start_new_session=True)
     except OSError as exc:
-        sink.line(f"zenithtune: cannot start {argv[0] if argv else '(empty command)'}: {exc}\n")
+        sink.line(f"zenithtune: cannot start {argv[0] if argv else '(empty command)'}: {exc}\n".encode())
         sink.note("# result: never started")
         if log:
             log.close()
         return RunResult(list(argv), None, sink.output(), time.monotonic() - start, False, False, log_path)
 
-    reader = threading.Thread(target=_pump, args=(proc.stdout, sink), daemon=True, name="zenithtune-output")
+    process = TrialProcess.started(marker, proc.pid)
+    fd = os.dup(proc.stdout.fileno())  # type: ignore[union-attr]  # the reader owns its descriptor; the Popen object keeps its own
+    proc.stdout.close()
+    reader = threading.Thread(target=_pump, args=(fd, sink), daemon=True, name="zenithtune-output")
     reader.start()
+    deadline = None if timeout is None else start + timeout
     try:
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to the process group, "
-                      f"SIGKILL after {grace:g} s")
+            if on_start is not None:
+                try:
+                    on_start(process)
+                except Exception as exc:  # not being able to record it is no reason to lose the trial
+                    sink.note(f"# zenithtune: could not record the trial's processes ({exc!r})")
+            while proc.poll() is None:
+                if sink.failed.is_set():
+                    sink.note("# zenithtune: stopping the command: the log cannot be written")
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    timed_out = True
+                    sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to every process of the "
+                              f"trial, SIGKILL after {grace:g} s")
+                    break
+                sink.failed.wait(0.05)
         except KeyboardInterrupt:
             interrupted = True
-            sink.note("# zenithtune: interrupted (Ctrl-C): killing the process group")
-        if not timed_out and not interrupted and _group_alive(proc.pid):
-            sink.note("# zenithtune: the command exited but left processes in its group; killing them")
-        _kill_group(proc, grace)  # after a normal exit this only reaps leftovers
+            sink.note("# zenithtune: interrupted (Ctrl-C): killing every process of the trial")
+        if proc.returncode is not None and not sink.failed.is_set():
+            reader.join(timeout=0.5)  # let the last lines arrive before looking for leftovers
+            if any(s not in "ZX" for p, s in members(marker, proc.pid).items() if p != proc.pid):
+                sink.note("# zenithtune: the command exited but left processes behind; killing them")
+        kill_tree(marker, proc.pid, grace, poll=proc.poll)  # after a normal exit this only reaps leftovers
     except KeyboardInterrupt:  # Ctrl-C while killing: finish the kill, then report
         interrupted = True
-        _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_tree(marker, proc.pid, 0.0, poll=proc.poll)
+    proc.wait()
     reader.join(timeout=max(grace, 1.0))
     if reader.is_alive():
-        sink.note("# zenithtune: output pipe still held by a process outside the group; not waiting for it")
+        sink.note("# zenithtune: output pipe still held by a process that is not the trial's; not waiting for it")
     duration = time.monotonic() - start
 
     code = proc.returncode
     status = (f"timed out after {duration:.1f} s" if timed_out else
-              "interrupted" if interrupted else f"exit code {code} after {duration:.1f} s")
+              "interrupted" if interrupted else
+              f"stopped: {sink.log_error}" if sink.log_error else f"exit code {code} after {duration:.1f} s")
     sink.note("# " + "-" * 70)
     sink.note(f"# result: {status}")
     with sink.lock:
-        if log:
-            log.close()
-    return RunResult(list(argv), code, sink.output(), duration, timed_out, interrupted, log_path)
+        sink.closed = True
+        if log and sink.log_error is None:
+            try:
+                log.close()
+            except OSError as exc:
+                sink.log_error = f"cannot write {log.path}: {exc.strerror or exc}"
+    return RunResult(list(argv), code, sink.output(), duration, timed_out, interrupted, log_path,
+                     process=process, log_error=sink.log_error, oom_line=sink.oom_line,
+                     feed_error=sink.feed_error, lines=sink.lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,17 +521,25 @@ def _exit_text(code: int | None) -> str:
 
 
 def classify(result: RunResult) -> tuple[FailureKind, str] | None:
-    """None when the run succeeded (exit 0, not timed out, not interrupted); else the failure kind and
-    one line saying why. OOM wins over everything: after one rank runs out of memory the others fail
-    with NCCL or timeout errors that only hide the cause."""
-    if result.succeeded:
-        return None
+    """None when the run succeeded (exit 0, not timed out, not interrupted, log written, no
+    out-of-memory message); else the failure kind and one line saying why. OOM wins over everything
+    the command did: after one rank runs out of memory the others fail with NCCL or timeout errors
+    that only hide the cause, and a trainer that catches the OOM and exits 0 still measured nothing
+    worth keeping."""
     if result.interrupted:
         return FailureKind.INTERRUPTED, "interrupted (Ctrl-C); process group killed"
+    if result.log_error:
+        return FailureKind.LOG_WRITE, _short(f"stopped: {result.log_error}")
     lines = result.output.splitlines()
-    oom = _oom_reason(lines)
+    oom = result.oom_line or _oom_reason(lines)
     if oom:
+        if result.returncode == 0 and not result.timed_out:
+            return FailureKind.OOM, _short(f"exit code 0, but the output says: {oom}")
         return FailureKind.OOM, oom
+    if result.succeeded:
+        if result.feed_error:
+            return FailureKind.NO_METRIC, _short(result.feed_error)
+        return None
     if result.timed_out:
         last = _last_meaningful(lines)
         tail = f"; last output: {last}" if last else "; no output"

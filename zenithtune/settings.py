@@ -56,6 +56,7 @@ class ZenithtuneConf:
     study_name: str = MISSING
     save_tuned: Optional[str] = None  # also write conf/tuned/<name>.yaml
     echo: bool = MISSING  # stream each trial's output to the console
+    log_max_mb: Optional[float] = None  # cap on each trial.log (head + tail kept); None = no cap
     # --- the wrapped command
     command: list[str] = MISSING
     default_command: list[str] = MISSING
@@ -157,6 +158,7 @@ def check(conf: ZenithtuneConf) -> None:
     _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3")
     _positive_float(conf, "timeout_dynamic_floor", "timeout_dynamic_floor=60")
     _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True)
+    _positive_float(conf, "log_max_mb", "log_max_mb=50", optional=True)
     margin = conf.memory_safety_margin
     if not (math.isfinite(margin) and -0.5 < margin < 1.0):
         raise UserError(f"memory_safety_margin={margin!r} must be a fraction between -0.5 and 1 (e.g. 0.02)")
