@@ -16,7 +16,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from zenithtune import record
+from zenithtune import record, traits
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
@@ -46,6 +46,7 @@ class StudyLoop:
         self.measured: dict[tuple, Outcome] = {}
         self.outcomes: list[Outcome] = []
         self.durations: list[float] = []  # successful trials' wall times (dynamic timeouts)
+        self.refused: list[traits.Trait] = []  # features the trainer refused: candidates carrying one are pruned
 
     def start(self, prior: list[Outcome]) -> None:
         """Hand the strategy and the job what a resumed study already knows."""
@@ -60,6 +61,9 @@ class StudyLoop:
 
     def _learn(self, o: Outcome) -> None:
         self.job.observe(o)
+        trait = self._refusal(o)
+        if trait is not None:
+            self.refused.append(trait)
         if o.launched:
             self.measured[self.job.space.key(o.candidate)] = o
             if o.ok and o.duration:
@@ -98,6 +102,13 @@ class StudyLoop:
                 return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
         return f"n_trials={n_trials} launched"
 
+    def _refusal(self, o: Outcome) -> traits.Trait | None:
+        """The injected features a failed launch's message says the trainer refused."""
+        if not o.launched or o.state != "failed" or o.kind not in (FailureKind.CRASH.value,
+                                                                 FailureKind.INVALID_ARGS.value):
+            return None
+        return traits.refused(" ".join(o.reasons), self.job.space.options(o.candidate), o.trial_number)
+
     # --- one proposal ------------------------------------------------------------------------------
     def _ask(self, proposal: Proposal) -> tuple[optuna.Trial, dict]:
         space = self.job.space
@@ -123,6 +134,9 @@ class StudyLoop:
         if predicted is not None:
             trial.set_user_attr(Attr.PREDICTED_GB, round(predicted, 2))
         broken = job.screen(cand)
+        if not broken:
+            options = job.space.options(cand)
+            broken = [("refused", t.describe()) for t in self.refused if t.matches(options)][:1]
         if broken and broken[0][0] == "predicted_oom" and proposal.probe_memory:
             trial.set_user_attr(Attr.MEMORY_PROBE, broken[0][1])  # launched on purpose; the outcome teaches
             broken = []
@@ -166,6 +180,8 @@ class StudyLoop:
         if res.kind == FailureKind.TIMEOUT.value and self.job.timeouts.is_dynamic_cut(limit):
             reason = f"cut at the dynamic limit {limit:.1f} s (from the fastest success): {reason}"
         outcome = replace(outcome, kind=res.kind or FailureKind.CRASH.value, reasons=[reason])
+        if self._refusal(outcome) is not None:  # a trait of the configuration, not bad luck
+            outcome = replace(outcome, kind=FailureKind.INVALID_ARGS.value)
         record.store(trial, outcome)
         self.study.tell(trial, state=TrialState.FAIL)
         return outcome
