@@ -15,7 +15,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 : "${VIRTUAL_ENV:?activate the virtual environment first}"
 MEGATRON_CORE=0.19.0
 
-python -m pip install --quiet "torch==2.13.0+cpu" "triton==3.9.0" pybind11
+python -m pip install --quiet -e "$here/../..[megatron]"   # pyproject's megatron extra: the pins above
 target="$VIRTUAL_ENV/megatron-core"
 if [ ! -f "$target/megatron_core-$MEGATRON_CORE.dist-info/METADATA" ]; then
     rm -rf "$target"
@@ -28,5 +28,5 @@ datasets="$target/megatron/core/datasets"
 cp "$here/upstream/megatron/core/datasets/Makefile" "$datasets/Makefile"
 # Build the helper once here (about a minute) rather than inside the first trial.
 PATH="$VIRTUAL_ENV/bin:$PATH" make --quiet -C "$datasets"
-python -c "import torch, megatron.core; assert not torch.version.cuda, torch.version.cuda; \
+python -W ignore -c "import torch, megatron.core; assert not torch.version.cuda, torch.version.cuda; \
 print('megatron test prerequisites: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
