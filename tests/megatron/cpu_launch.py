@@ -6,26 +6,29 @@ Usage (one process per rank, as torchrun starts them)::
         tests/megatron/upstream/pretrain_gpt.py --distributed-backend gloo --transformer-impl local ...
 
 Megatron-LM assumes a CUDA device in a handful of places even when the model is tiny and the
-process group is gloo: it calls ``torch.cuda.set_device``/``current_device``, places buffers with
-``device=torch.cuda.current_device()`` or ``tensor.cuda()``, synchronises, and reads CUDA memory
-counters for its log lines. This module changes exactly those calls, in this process only, and then
-runs the script as ``__main__`` (``runpy``), so Megatron's own files stay byte-for-byte as released.
+process group is gloo. This module changes exactly those, in this process only, and then runs the
+script as ``__main__`` (``runpy``), so Megatron's own files stay byte-for-byte as released.
 
 What it changes (and nothing else):
-- ``torch.cuda.is_available`` stays False (torch's own answer); ``device_count`` reports 1 so
-  Megatron's "local rank < device count" logic holds.
-- ``torch.cuda.current_device`` returns ``"cpu"`` and ``set_device`` does nothing: every
-  ``device=torch.cuda.current_device()`` allocation lands on the CPU.
-- ``Tensor.cuda`` / ``Module.cuda`` return the object on the CPU (no copy).
-- ``torch.cuda.synchronize``, ``empty_cache``, ``reset_peak_memory_stats`` do nothing; the memory
-  counters (``memory_allocated`` ...) report 0, so Megatron's memory line prints zeros.
-- ``torch.cuda.Event`` / ``Stream`` / ``stream`` are replaced by small CPU stand-ins (an event
-  records the wall clock, a stream is a no-op context).
-- ``torch.cuda.get_device_capability`` / ``get_device_name`` / ``get_device_properties`` answer
-  for a pretend device, because Megatron only reads them to choose kernels the local
-  implementation does not use.
-The launcher selects nothing itself: the command must pass ``--distributed-backend gloo`` and
-``--transformer-impl local`` (Transformer Engine is CUDA-only), which is Megatron's own switch.
+- ``torch.cuda.is_available`` answers True (``initialize_megatron`` asserts it), ``device_count``
+  1, ``current_device`` the CPU device, ``set_device`` nothing.
+- A torch-function mode turns every ``device="cuda"`` / ``torch.device("cuda")`` argument of a
+  torch call into the CPU (Megatron writes ``device="cuda"`` literally in about a hundred places).
+- ``Tensor.cuda`` / ``Module.cuda`` return the object unchanged.
+- ``Tensor.type()`` without arguments names a CPU tensor's CUDA counterpart
+  (``torch.cuda.FloatTensor``): the optimizers assert on those names. Conversions are untouched.
+- The tensor-parallel RNG tracker's calls (``torch.cuda.get_rng_state``/``set_rng_state``/
+  ``manual_seed``/``default_generators``, lazily queued calls) use the CPU generator. Megatron then
+  logs "CPU RNG state changed within GPU RNG context": the two are one generator here.
+- ``synchronize``, ``empty_cache``, ``reset_peak_memory_stats`` do nothing; the memory counters
+  report 0, so Megatron's memory line prints zeros. ``Event`` records the wall clock, ``Stream`` is
+  a no-op; ``get_device_capability``/``name``/``properties`` describe a pretend device.
+- ``TORCHDYNAMO_DISABLE=1`` (unless set): Megatron's ``torch.compile``'d fusions run eagerly.
+- ``typing.override`` is backported from ``typing_extensions`` (megatron-core 0.19 targets
+  Python 3.12; the CPU torch wheel here is for 3.11).
+The launcher selects nothing else: the command passes Megatron's own switches for its CPU-capable
+paths (``--transformer-impl local --distributed-backend gloo --use-cpu-initialization`` and the
+``--no-*-fusion`` options; see tests/megatron/test_megatron_cpu.py and docs/megatron.md).
 """
 from __future__ import annotations
 
