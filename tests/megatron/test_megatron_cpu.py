@@ -3,8 +3,8 @@
 This is the end-to-end check that the simulator cannot give: zenithtune's injected options must be
 ones Megatron itself parses and runs, and every failure must be recorded with what Megatron printed.
 Prerequisites (tests/megatron/install.sh): torch CPU, megatron-core 0.19.0; the test is skipped,
-saying which is missing, without them. About 5 minutes on 2 cores (7 launches of ~40 s, mostly
-Megatron's start-up). Run alone with ``python -m pytest -q -m megatron tests/megatron``.
+saying which is missing, without them. 7 launches of 40-90 s each on 2 cores, nearly all of it
+Megatron's start-up (9 min measured on a busy machine). Run alone with ``python -m pytest -q -m megatron tests/megatron``.
 """
 from __future__ import annotations
 
