@@ -88,9 +88,6 @@ window.addEventListener('load', () => {
     assert int(best_row.group(1)) == s.best_trial.number
     assert f"{s.best_trial.value:g}" in best_row.group(2)
     assert f"best text: Best: trial {s.best_trial.number}, {s.best_trial.value:g} TFLOP/s/GPU" in text
-    shot = tmp_path / "report.png"
-    assert _chromium(f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()).returncode == 0
-    assert shot.stat().st_size > 10_000  # a rendered page, not a blank one
 
 
 @pytest.mark.slow
