@@ -32,3 +32,31 @@ def test_help_shows_usage_examples_groups_and_keys(tmp_path: Path) -> None:
 
 def test_help_without_tuned_configs_says_how_to_make_one(tmp_path: Path) -> None:
     assert "tuned: (none yet: save_tuned=NAME writes conf/tuned/NAME.yaml)" in _help(tmp_path)
+
+
+# --- rendered output blocks (docs/render.py) -------------------------------------------------------
+sys.path.insert(0, str(ROOT / "docs"))
+import render  # noqa: E402  (docs/render.py: the script that writes the blocks)
+
+import pytest  # noqa: E402
+
+
+def test_render_keeps_line_ranges_and_normalises_volatile_parts(tmp_path: Path) -> None:
+    assert render.keep([str(i) for i in range(1, 8)], "1-2,-2") == ["1", "2", "...", "6", "7"]
+    text = (f"{tmp_path}/outputs/study_20991231_235959/study.db {sys.executable} -m x\n"
+            "[1/5] trial 0  tp=2 -> 530.6 TFLOP/s/GPU  best 530.6  (1.7 s, 0:03:12)\n"
+            " [2025-01-01 08:00:41] iteration 1\n# made 2099-12-31 23:59 by strategy heuristic")
+    assert render.normalise(text, tmp_path).split("\n") == [
+        "/tmp/demo/outputs/study_20261129_101500/study.db python -m x",
+        "[1/5] trial 0  tp=2 -> 530.6 TFLOP/s/GPU  best 530.6  (0.2 s, 0:00:01)",
+        " [2025-01-01 08:00:41] iteration 1",  # simulated time: stable, kept
+        "# made 2026-11-29 10:15 by strategy heuristic"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", [p.name for p in render.DOCS if render.parse(p.read_text())],
+                         ids=lambda name: name)
+def test_rendered_blocks_match_what_the_commands_print(doc: str) -> None:
+    path = next(p for p in render.DOCS if p.name == doc)
+    problems = render.render(path, check=True)
+    assert not problems, "\n\n".join(problems)
