@@ -12,6 +12,8 @@ Options follow the command after ` ;; `, space-separated:
     keep=1-12,-3   output lines to show: 1 to 12 and the last 3; "..." marks each gap
     prompt=no      no "$ command" line (the block shows output only)
     check=no       wall-clock dependent (timeouts): regenerated here, not compared by tests/test_docs.py
+    interrupt=S    press Ctrl-C after S seconds (SIGINT to the command's process group, as a terminal
+                   does); the block shows "^C" where it happened
 
 Each document's commands run in order, as argv lists (never a shell), in one fresh temporary
 folder, so a later block sees the study an earlier one made. `zenithtune` and `python` are this
@@ -36,9 +38,11 @@ import difflib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +67,7 @@ class Block:
     keep: str = ""             # keep= ranges, "" = everything
     prompt: bool = True        # show the "$ command" line
     check: bool = True         # compared by the test
+    interrupt: float | None = None  # seconds after which Ctrl-C is pressed
     fence: str = "```console"  # the opening fence as written
     lines: list[str] = field(default_factory=list)  # the block's current content
 
@@ -89,8 +94,10 @@ def parse(text: str, where: str = "") -> list[Block]:
                 block.prompt = value != "no"
             elif key == "check":
                 block.check = value != "no"
+            elif key == "interrupt":
+                block.interrupt = float(value)
             else:
-                raise SystemExit(f"{where}:{i + 1}: unknown render option {opt!r} (keep=, prompt=no, check=no)")
+                raise SystemExit(f"{where}:{i + 1}: unknown render option {opt!r} (keep=, prompt=no, check=no, interrupt=S)")
         blocks.append(block)
     return blocks
 
@@ -109,13 +116,24 @@ def argv(command: str) -> list[str]:
     return out
 
 
-def run(command: str, cwd: Path) -> str:
+def run(command: str, cwd: Path, interrupt: float | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENITHTUNE_")}
     env.update(TTY_INTERACTIVE="0", COLUMNS="200", PYTHONWARNINGS="ignore")
-    res = subprocess.run(argv(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=600)
-    out = res.stdout.rstrip("\n")
-    return out + (f"\n[exit code {res.returncode}]" if res.returncode else "")
+    proc = subprocess.Popen(argv(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    if interrupt is not None:
+        try:
+            proc.wait(timeout=interrupt)
+        except subprocess.TimeoutExpired:
+            chunks.append("^C\n")  # where a terminal would echo it
+            os.killpg(proc.pid, signal.SIGINT)
+    rc = proc.wait(timeout=600)
+    reader.join(timeout=10)
+    out = "".join(chunks).rstrip("\n")
+    return out + (f"\n[exit code {rc}]" if rc else "")
 
 
 def _s_column(lines: list[str]) -> list[str]:
@@ -150,7 +168,7 @@ def normalise(text: str, workdir: Path) -> str:
     launched = re.search(r"^launched (\d+):", text, re.M)
     if launched:
         text = re.sub(r"^time in trials: [\d.]+ s$", f"time in trials: {0.2 * int(launched[1]):.1f} s", text, flags=re.M)
-    return "\n".join(_s_column(text.split("\n")))
+    return "\n".join(line.rstrip() for line in _s_column(text.split("\n")))  # editors strip trailing blanks
 
 
 def keep(lines: list[str], spec: str) -> list[str]:
@@ -188,7 +206,7 @@ def shown_command(command: str) -> list[str]:
 
 
 def make(block: Block, workdir: Path) -> list[str]:
-    out = normalise(run(block.command, workdir), workdir).split("\n")
+    out = normalise(run(block.command, workdir, block.interrupt), workdir).split("\n")
     return (shown_command(block.command) if block.prompt else []) + keep(out, block.keep)
 
 
