@@ -11,9 +11,10 @@ A generated block is a fenced block right after an HTML comment naming its comma
 Options follow the command after ` ;; `, space-separated:
     keep=1-12,-3   output lines to show: 1 to 12 and the last 3; "..." marks each gap
     prompt=no      no "$ command" line (the block shows output only)
-    check=no       wall-clock dependent (timeouts): regenerated here, not compared by tests/test_docs.py
-    interrupt=S    press Ctrl-C after S seconds (SIGINT to the command's process group, as a terminal
-                   does); the block shows "^C" where it happened
+    check=no       about wall time (timeouts, Ctrl-C): regenerated here with the measured durations,
+                   not compared by tests/test_docs.py
+    interrupt=TEXT press Ctrl-C three seconds after an output line containing TEXT (e.g. "[1/6]"), as
+                   a terminal does (SIGINT to the command's process group); the block shows "^C"
 
 Each document's commands run in order, as argv lists (never a shell), in one fresh temporary
 folder, so a later block sees the study an earlier one made. `zenithtune` and `python` are this
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +69,7 @@ class Block:
     keep: str = ""             # keep= ranges, "" = everything
     prompt: bool = True        # show the "$ command" line
     check: bool = True         # compared by the test
-    interrupt: float | None = None  # seconds after which Ctrl-C is pressed
+    interrupt: str | None = None  # Ctrl-C one second after a line containing this
     fence: str = "```console"  # the opening fence as written
     lines: list[str] = field(default_factory=list)  # the block's current content
 
@@ -95,9 +97,9 @@ def parse(text: str, where: str = "") -> list[Block]:
             elif key == "check":
                 block.check = value != "no"
             elif key == "interrupt":
-                block.interrupt = float(value)
+                block.interrupt = value
             else:
-                raise SystemExit(f"{where}:{i + 1}: unknown render option {opt!r} (keep=, prompt=no, check=no, interrupt=S)")
+                raise SystemExit(f"{where}:{i + 1}: unknown render option {opt!r} (keep=, prompt=no, check=no, interrupt=TEXT)")
         blocks.append(block)
     return blocks
 
@@ -116,18 +118,27 @@ def argv(command: str) -> list[str]:
     return out
 
 
-def run(command: str, cwd: Path, interrupt: float | None = None) -> str:
+def run(command: str, cwd: Path, interrupt: str | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENITHTUNE_")}
     env.update(TTY_INTERACTIVE="0", COLUMNS="200", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(argv(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            chunks.append(line)
+            if interrupt is not None and interrupt in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     if interrupt is not None:
-        try:
-            proc.wait(timeout=interrupt)
-        except subprocess.TimeoutExpired:
+        while proc.poll() is None and not seen.wait(timeout=0.2):
+            pass
+        if proc.poll() is None:
+            time.sleep(3.0)  # past the next launch (Hydra composes its config first): Ctrl-C stops that trial
             chunks.append("^C\n")  # where a terminal would echo it
             os.killpg(proc.pid, signal.SIGINT)
     rc = proc.wait(timeout=600)
@@ -156,13 +167,15 @@ def _s_column(lines: list[str]) -> list[str]:
     return out
 
 
-def normalise(text: str, workdir: Path) -> str:
+def normalise(text: str, workdir: Path, times: bool = True) -> str:
     for path in sorted({str(workdir.resolve()), str(workdir)}, key=len, reverse=True):
         text = text.replace(path, "/tmp/demo")
     for exe in sorted({sys.executable, os.path.realpath(sys.executable)}, key=len, reverse=True):
         text = text.replace(exe, "python")
     text = re.sub(r"\b(study|run)_\d{8}_\d{6}\b", r"\1_20261129_101500", text)
     text = re.sub(r"\bmade \d{4}-\d\d-\d\d \d\d:\d\d\b", "made 2026-11-29 10:15", text)
+    if not times:  # a check=no block is about wall time (timeouts, Ctrl-C): keep the measured ones
+        return "\n".join(line.rstrip() for line in text.split("\n"))
     text = re.sub(r"\(\d+(\.\d+)? s, \d+:\d\d:\d\d\)", "(0.2 s, 0:00:01)", text)
     text = re.sub(r"(?<![\d:-])(?<!\d{4}-\d\d-\d\d )\b\d+:\d\d:\d\d\b", "0:00:01", text)
     launched = re.search(r"^launched (\d+):", text, re.M)
@@ -206,7 +219,7 @@ def shown_command(command: str) -> list[str]:
 
 
 def make(block: Block, workdir: Path) -> list[str]:
-    out = normalise(run(block.command, workdir, block.interrupt), workdir).split("\n")
+    out = normalise(run(block.command, workdir, block.interrupt), workdir, times=block.check).split("\n")
     return (shown_command(block.command) if block.prompt else []) + keep(out, block.keep)
 
 
