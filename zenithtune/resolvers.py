@@ -53,3 +53,14 @@ def _started(pattern: str) -> str:
 OmegaConf.register_resolver("zt.started", _started, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.mkdir", _mkdir, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.python", lambda: sys.executable, replace=True, annotation_validation="off")
+
+
+def _tuned_names() -> str:
+    """The tuned configs in ./conf/tuned/ (for --help: Hydra lists config groups from its search
+    path as it was before the command line's hydra.searchpath, so it never sees them)."""
+    folder = os.path.join(os.getcwd(), "conf", "tuned")
+    names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
+    return ", ".join(names) if names else "(none yet: save_tuned=NAME writes conf/tuned/NAME.yaml)"
+
+
+OmegaConf.register_resolver("zt.tuned_names", _tuned_names, replace=True, annotation_validation="off")
