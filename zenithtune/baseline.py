@@ -11,7 +11,6 @@ Each trial's outcome is read from the trial.json the entry function writes in th
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import warnings
@@ -23,6 +22,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from zenithtune.progress import describe
+from zenithtune.record import TRIAL_INFO, read_run
+from zenithtune.run import FailureKind
 
 _HYDRA_FAILED_JOB = "Error executing job with overrides:"
 
@@ -60,13 +61,11 @@ def _params(overrides: list[str]) -> dict[str, str]:
 
 def outcome(trial_dir: Path) -> dict[str, Any]:
     """What the entry function recorded for one trial: {"score": float|None, "kind", "reason", "duration"}."""
-    try:
-        info = json.loads((trial_dir / "trial.json").read_text())
-    except (OSError, ValueError):
-        return {"score": None, "kind": "crash", "reason": "no trial.json (the entry function did not finish)"}
-    failure = info.get("failure") or {}
-    return {"score": info.get("score"), "kind": failure.get("kind"), "reason": failure.get("reason", ""),
-            "duration": info.get("duration")}
+    run = read_run(trial_dir / TRIAL_INFO)
+    if run is None:
+        return {"score": None, "kind": FailureKind.CRASH.value,
+                "reason": "no trial.json (the entry function did not finish)"}
+    return {"score": run.value, "kind": run.kind, "reason": run.reason, "duration": run.duration}
 
 
 class StockProgress(Callback):
