@@ -13,13 +13,29 @@ from typing import Any, Iterator, Literal, Mapping
 
 from zenithtune.command import CommandFacts, facts
 from zenithtune.modelinfo import ModelInfo
-from zenithtune.validate import POLICIES, RULE_KINDS, Layout, check
+from zenithtune.validate import POLICIES, RULE_KINDS, RULES, Layout, Rule, divisors, check
 
 Candidate = dict[str, Any]
 When = Literal["always", "moe", "vlm", "full_recompute"]
 
 LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
 RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+# What each rule reads of a candidate, so the enumeration runs it as soon as that much is fixed:
+# layout dimensions by name, "mbs", and "rest" (the recompute/ViT parameters). A rule missing here is
+# run on every whole candidate (correct, only slower).
+_LAYOUT = frozenset(("tp", "pp", "cp"))
+RULE_NEEDS: dict[str, frozenset[str]] = {
+    "world_divisible": _LAYOUT, "expert_grid": frozenset(("tp", "pp", "ep", "etp")), "experts": frozenset(("ep",)),
+    "tp_heads": frozenset(("tp",)), "tp_query_groups": frozenset(("tp",)), "hidden_heads": frozenset(),
+    "cp_seq": frozenset(("cp",)), "gbs": _LAYOUT | {"mbs"}, "pp_layers": frozenset(("pp",)),
+    "virtual_pipeline": _LAYOUT | {"mbs"}, "recompute": frozenset(("pp", "rest")),
+    "moe_sequence_parallel": frozenset(("tp",)), "local_impl_sequence_parallel": frozenset(("tp",)),
+    "tp_comm_overlap": frozenset(("tp",)), "distribute_saved_activations": frozenset(("tp", "rest")),
+    "moe_etp_bias": frozenset(("tp", "etp")), "etp_le_tp": frozenset(("tp", "etp")),
+    "etp_dense": frozenset(("tp", "etp")), "cp_short_seq": frozenset(("cp",)),
+    "recompute_chunk": frozenset(("pp", "rest")), "vlm_full_uniform_only": frozenset(("rest",)),
+}
+MAX_GPUS = 1 << 20  # the largest world size a study plans for (today's largest runs use ~100k GPUs)
 # Defaults for parameters a preset does not search (Megatron's own defaults).
 DEFAULTS: Candidate = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "mbs": 1}
 
@@ -40,6 +56,9 @@ class Context:
     policy_off: frozenset[str] = frozenset()  # policy rules switched off (prune.policy.<name>=false)
 
     def __post_init__(self) -> None:
+        if self.n_gpus > MAX_GPUS:
+            raise ValueError(f"n_gpus={self.n_gpus} is above the largest world size zenithtune plans for "
+                             f"({MAX_GPUS} GPUs); give the GPUs of one training run")
         unknown = sorted(set(self.policy_off) - set(POLICIES))
         if unknown:
             raise ValueError(f"prune.policy.{unknown[0]}: no such policy; the policies are {list(POLICIES)}")
@@ -62,7 +81,7 @@ def parallel_values(n: int) -> tuple[int, ...]:
     every divisor of n (12 GPUs allow TP 3 and 6; 24 allow PP 3)."""
     if n & (n - 1) == 0:
         return tuple(1 << k for k in range(n.bit_length()))
-    return tuple(k for k in range(1, n + 1) if n % k == 0)
+    return tuple(divisors(n))
 
 
 def mbs_values(mbs_max: int, gbs: int) -> tuple[int, ...]:
@@ -257,6 +276,12 @@ class Space:
         self.preset = preset
         self.ctx = ctx
         self._walked: tuple[list[Candidate], Survey] | None = None
+        self._adjust_memo: dict[tuple, Adjusted] = {}
+        self._layout_memo: dict[tuple, Layout] = {}  # the screen, the strategies and the report ask again and again
+        # applicability known from the model alone (None: depends on the candidate: full recompute)
+        self._applies_now: dict[str, bool] = {
+            p.name: {"always": True, "moe": ctx.model.is_moe, "vlm": ctx.model.is_vlm}[p.when]
+            for p in params if p.when != "full_recompute"}
 
     @classmethod
     def from_preset(cls, preset: Mapping[str, Any], ctx: Context) -> Space:
@@ -284,7 +309,9 @@ class Space:
 
     def normalize(self, cand: Mapping[str, Any]) -> Candidate:
         """Keep only the parameters that apply, in the preset's order."""
-        return {k: cand[k] for k in self.params if k in cand and self.applies(k, cand)}
+        full = cand.get("recompute_granularity") == "full"
+        ok = self._applies_now
+        return {k: cand[k] for k in self.params if k in cand and ok.get(k, full)}
 
     def key(self, cand: Mapping[str, Any]) -> tuple:
         """Identity of a candidate (two proposals with the same key are the same run)."""
@@ -294,13 +321,30 @@ class Space:
     # --- translations ----------------------------------------------------------------------------
     def adjusted(self, cand: Mapping[str, Any]) -> Adjusted:
         """How this candidate runs the user's own flags (see `adjust`)."""
-        return adjust(self.preset, self.normalize(cand), self.ctx.flags, self.ctx.model.is_moe)
+        return self._adjusted(self.normalize(cand))
+
+    def _adjusted(self, norm: Mapping[str, Any]) -> Adjusted:
+        # adjust() reads only these of a normalized candidate; memoized because the enumeration and the
+        # memory screen build a layout for every candidate of a large space
+        memo_key = (norm.get("tp", 1), norm.get("pp", 1), norm.get("recompute_granularity"), norm.get("etp") is None)
+        found = self._adjust_memo.get(memo_key)
+        if found is None:
+            found = self._adjust_memo[memo_key] = adjust(self.preset, norm, self.ctx.flags, self.ctx.model.is_moe)
+        return found
 
     def layout(self, cand: Mapping[str, Any]) -> Layout:
-        c = {**DEFAULTS, **self.normalize(cand)}
+        norm = self.normalize(cand)
+        memo_key = tuple(norm.items())
+        found = self._layout_memo.get(memo_key)
+        if found is None:
+            found = self._layout_memo[memo_key] = self._layout(norm)
+        return found
+
+    def _layout(self, norm: Candidate) -> Layout:
+        c = {**DEFAULTS, **norm}
         moe = self.ctx.model.is_moe
         flags = self.ctx.flags
-        adj = self.adjusted(cand)
+        adj = self._adjusted(norm)
         pp = int(c["pp"])
         return Layout(
             n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs,
@@ -408,27 +452,99 @@ class Space:
             survey.notes += [n for n in self.notes() if n not in survey.notes]
         return (dict(c) for c in valid)
 
+    def _stage_rules(self) -> tuple[dict[str, tuple[Rule, ...]], tuple[Rule, ...], tuple[Rule, ...], tuple[Rule, ...]]:
+        """The active rules split by the first enumeration stage at which all they read is fixed:
+        after a layout dimension (by name), after mbs, after the recompute/ViT choices, or only on a
+        whole candidate (a rule `RULE_NEEDS` does not know)."""
+        skip = set(self.ctx.policy_off) | (set() if self.ctx.vlm_full_uniform_only else {"vlm_full_uniform_only"})
+        active = [r for r in RULES if r.name not in skip]
+        lay_names = [n for n in LAYOUT_PARAMS if n in self.params and self.applies(n, {})]
+        by_dim: dict[str, tuple[Rule, ...]] = {}
+        placed: set[str] = set()
+        fixed: set[str] = set(LAYOUT_PARAMS) - set(lay_names)  # dimensions this job does not search
+        for name in lay_names:
+            fixed.add(name)
+            now = tuple(r for r in active if r.name not in placed and r.name in RULE_NEEDS and RULE_NEEDS[r.name] <= fixed)
+            by_dim[name] = now
+            placed.update(r.name for r in now)
+        if not lay_names:  # nothing searched: every layout-only rule runs once on the defaults
+            by_dim[""] = tuple(r for r in active if r.name in RULE_NEEDS and RULE_NEEDS[r.name] <= fixed)
+            placed.update(r.name for r in by_dim[""])
+        left = [r for r in active if r.name not in placed]
+        mbs_rules = tuple(r for r in left if r.name in RULE_NEEDS and "rest" not in RULE_NEEDS[r.name])
+        rest_rules = tuple(r for r in left if r.name in RULE_NEEDS and "mbs" not in RULE_NEEDS[r.name]
+                           and r not in mbs_rules)
+        final = tuple(r for r in left if r not in mbs_rules and r not in rest_rules)
+        return by_dim, mbs_rules, rest_rules, final
+
     def _enumerate(self, survey: Survey) -> Iterator[Candidate]:
-        lay_names = tuple(n for n in LAYOUT_PARAMS if n in self.params)
-        rest_names = tuple(n for n in self.params if n not in lay_names and n != "mbs")
-        rest = self._sub(rest_names, {})
-        mbs_choices = self.params["mbs"].choices if "mbs" in self.params else (1,)
+        """Depth-first over tp, pp, cp, ep, etp, then mbs x the recompute/ViT choices. A rule runs at the
+        first level where everything it reads is fixed (`RULE_NEEDS`), so a broken prefix removes its
+        whole sub-tree at once (counted in the survey) and the enumeration costs what the valid part of
+        the space costs, not the product of every dimension (16384 GPUs, 256 experts: milliseconds to
+        seconds, see benchmarks/startup.py)."""
+        order = list(self.params)
+        lay_names = [n for n in LAYOUT_PARAMS if n in self.params and self.applies(n, {})]
+        rest_names = tuple(n for n in self.params if n not in LAYOUT_PARAMS and n != "mbs")
+        rest = [self.normalize(r) for r in self._sub(rest_names, {})]
+        has_mbs = "mbs" in self.params
+        mbs_choices = self.params["mbs"].choices if has_mbs else (1,)
         per_layout = len(mbs_choices) * len(rest)
-        for lay_c in self._sub(lay_names, {}):
-            base = {**lay_c, "mbs": 1} if "mbs" in self.params else dict(lay_c)
-            survey.total += per_layout
-            bad = self._check(self.layout(base))
+        sizes = [len(self.params[n].choices) for n in lay_names]
+        below = [per_layout] * (len(lay_names) + 1)  # candidates under one node at each depth
+        for i in range(len(lay_names) - 1, -1, -1):
+            below[i] = below[i + 1] * sizes[i]
+        survey.total += below[0]
+        by_dim, mbs_rules, rest_rules, final = self._stage_rules()
+        model = self.ctx.model
+
+        def broken(cand: Mapping[str, Any], rules: tuple[Rule, ...], weight: int) -> bool:
+            if not rules:
+                return False
+            bad = check(self.layout(cand), model, rules=rules)
             if bad:
-                survey.removed[bad[0][0]] += per_layout
+                survey.removed[bad[0][0]] += weight
                 survey.reasons.setdefault(bad[0][0], bad[0][1])
-                continue
-            for mbs in mbs_choices:
+            return bool(bad)
+
+        def layouts(depth: int, prefix: Candidate) -> Iterator[Candidate]:
+            if depth == len(lay_names):
+                yield prefix
+                return
+            name = lay_names[depth]
+            for v in self.params[name].choices:
+                c = {**prefix, name: v}
+                if not broken(c, by_dim.get(name, ()), below[depth + 1]):
+                    yield from layouts(depth + 1, c)
+
+        if not lay_names and broken({}, by_dim.get("", ()), below[0]):
+            return
+        rest_dims = sorted(set().union(*(RULE_NEEDS[r.name] for r in rest_rules)) - {"rest"}) if rest_rules else []
+        rest_memo: dict[tuple, list[str | None]] = {}
+        for lay_c in layouts(0, {}):
+            # the recompute/ViT rules do not read mbs (and only a few layout dimensions, RULE_NEEDS):
+            # decide them once per distinct value of what they read
+            memo_key = tuple(lay_c.get(n) for n in rest_dims)
+            rest_bad = rest_memo.get(memo_key)
+            if rest_bad is None:
+                rest_bad = []
                 for r in rest:
-                    cand = self.normalize({**lay_c, "mbs": mbs, **r} if "mbs" in self.params else {**lay_c, **r})
-                    bad = self._check(self.layout(cand))
+                    bad = check(self.layout({**lay_c, **r}), model, rules=rest_rules) if rest_rules else []
+                    rest_bad.append(bad[0][0] if bad else None)
                     if bad:
-                        survey.removed[bad[0][0]] += 1
                         survey.reasons.setdefault(bad[0][0], bad[0][1])
+                rest_memo[memo_key] = rest_bad
+            for mbs in mbs_choices:
+                at_mbs = {**lay_c, "mbs": mbs} if has_mbs else dict(lay_c)
+                if broken(at_mbs, mbs_rules, len(rest)):
+                    continue
+                for r, bad_rule in zip(rest, rest_bad):
+                    if bad_rule is not None:
+                        survey.removed[bad_rule] += 1
+                        continue
+                    merged = {**at_mbs, **r}
+                    cand = {k: merged[k] for k in order if k in merged}
+                    if broken(cand, final, 1):
                         continue
                     survey.valid += 1
                     yield cand
