@@ -7,8 +7,8 @@ For each model (a Llama-3-70B-like dense GPT and a DeepSeek-V3-like MoE with 256
 n_gpus, a fresh Python process composes the config, builds the job (model shape, space walk, memory
 screen of every valid candidate), sets the default strategy up and asks it for the first candidate;
 each phase is timed. A second run goes through the real front end (`python -m zenithtune -m ...
-n_trials=1`) and reports the seconds until the first trial line is printed (interpreter and Hydra
-start-up included). An absurd world size (10^9) must be refused in one line, fast.
+n_trials=1`) and reports the seconds until the study is open (space report printed, `study:` line,
+just before the first launch; interpreter and Hydra start-up included). An absurd world size (10^9) must be refused in one line, fast.
 
 Speed targets live here as measurements, not as test assertions (machines differ).
 """
@@ -74,7 +74,8 @@ def one(model: str, n_gpus: int) -> dict:
 
 
 def front_end(model: str, n_gpus: int, timeout: float) -> tuple[float | None, str]:
-    """Seconds until `python -m zenithtune -m ...` prints its first trial line (None: it did not)."""
+    """Seconds until `python -m zenithtune -m ...` has printed its space report and opened the study
+    (the `study:` line, just before the first launch); None when it did not get there."""
     gbs = gbs_for(n_gpus)
     argv = [sys.executable, "-m", "zenithtune", "-m", f"n_gpus={n_gpus}", f"gbs={gbs}", "n_trials=1",
             "hydra.sweep.dir=/tmp/zenithtune_startup/${zt.started:%Y%m%d_%H%M%S_%f}", "--",
@@ -84,10 +85,10 @@ def front_end(model: str, n_gpus: int, timeout: float) -> tuple[float | None, st
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith("[1/1]") or "error" in line:
+            if line.startswith("study:") or line.startswith("zenithtune: error"):
                 took = time.perf_counter() - t0
                 proc.kill()
-                return (took if line.startswith("[1/1]") else None), line.strip()
+                return (took if line.startswith("study:") else None), line.strip()
             if time.perf_counter() - t0 > timeout:
                 break
     finally:
@@ -108,7 +109,7 @@ def main() -> None:
         return
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rows = ["| model | n_gpus | gbs | candidates | valid | build_job s | strategy setup + first ask s | "
-            "start s (both) | front end to first trial line s |", "|---|---|---|---|---|---|---|---|---|"]
+            "start s (both) | front end until the study is open s |", "|---|---|---|---|---|---|---|---|---|"]
     for model in MODELS:
         for n in args.n_gpus:
             out = subprocess.run([sys.executable, __file__, "--one", model, str(n)], capture_output=True, text=True,
@@ -134,8 +135,8 @@ def main() -> None:
         "# Study start-up time per world size (benchmarks/startup.py)", "",
         "Start = build_job (model shape, space walk, memory screen of every valid candidate) + the default",
         "(heuristic) strategy's setup and first proposal, in a fresh process after imports. The last column",
-        "is the real front end (`python -m zenithtune -m ... n_trials=1`) until its first trial line,",
-        "interpreter and Hydra start-up included. gbs = max(64, n_gpus / 4); simulated H100, 8 per node.", "",
+        "is the real front end (`python -m zenithtune -m ... n_trials=1`) until the study is open (space",
+        "report printed, just before the first launch), interpreter and Hydra start-up included. gbs = max(64, n_gpus / 4); simulated H100, 8 per node.", "",
         f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, shared with other jobs: figures vary by",
         "about +-30 % run to run.", "", *rows, "", refused, ""])
     if not args.no_write:

@@ -293,7 +293,7 @@ def recompute_options(lay: Layout, model: ModelInfo) -> str | None:
         return f"full recompute needs --recompute-method uniform|block (got {m!r})"
     if n is None:
         per_stage = lay.layers_per_stage(model.num_layers)
-        return (f"full recompute needs --recompute-num-layers"
+        return ("full recompute needs --recompute-num-layers"
                 + (f" between 1 and the layers per pipeline stage ({per_stage})" if per_stage else "") + " (got None)")
     return None
 
