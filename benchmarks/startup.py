@@ -62,18 +62,18 @@ def one(model: str, n_gpus: int) -> dict:
         cfg = compose("config", overrides=[f"n_gpus={n_gpus}", f"gbs={gbs}"])
     with open_dict(cfg):
         cfg.command = command(model, n_gpus, gbs)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     job = build_job(cfg)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     job.strategy.setup(job.space, job.memory, [])
     proposal = job.strategy.ask()
-    t3 = time.perf_counter()
-    return {"imports+compose": t1 - t0, "build_job": t2 - t1, "strategy setup+ask": t3 - t2,
-            "start": t3 - t1, "candidates": job.survey.total, "valid": job.survey.valid,
+    t3, c3 = time.perf_counter(), time.process_time()
+    return {"imports+compose": t1 - t0, "build_job": c2 - c1, "strategy setup+ask": c3 - c2,
+            "start": c3 - c1, "start_wall": t3 - t1, "build_job_wall": t2 - t1, "candidates": job.survey.total, "valid": job.survey.valid,
             "first": None if proposal is None else proposal.fixed}
 
 
-def front_end(model: str, n_gpus: int, timeout: float) -> tuple[float | None, str]:
+def front_end(model: str, n_gpus: int, timeout: float) -> tuple[tuple[float, float] | None, str]:
     """Seconds until `python -m zenithtune -m ...` has printed its space report and opened the study
     (the `study:` line, just before the first launch); None when it did not get there."""
     gbs = gbs_for(n_gpus)
@@ -82,19 +82,18 @@ def front_end(model: str, n_gpus: int, timeout: float) -> tuple[float | None, st
             *command(model, n_gpus, gbs)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("study:") or line.startswith("zenithtune: error"):
-                took = time.perf_counter() - t0
-                proc.kill()
-                return (took if line.startswith("study:") else None), line.strip()
-            if time.perf_counter() - t0 > timeout:
-                break
-    finally:
-        proc.kill()
-        proc.wait()
-    return None, f"no trial line within {timeout:.0f} s"
+    wall, line = None, f"no study line within {timeout:.0f} s"
+    assert proc.stdout is not None
+    for text in proc.stdout:
+        if text.startswith("study:") or text.startswith("zenithtune: error"):
+            wall, line = (time.perf_counter() - t0 if text.startswith("study:") else None), text.strip()
+            break
+        if time.perf_counter() - t0 > timeout:
+            break
+    proc.kill()
+    _, _, usage = os.wait4(proc.pid, 0)  # CPU of the tuner process itself (the machine may be shared)
+    proc.returncode = -9
+    return (None if wall is None else (usage.ru_utime + usage.ru_stime, wall)), line
 
 
 def main() -> None:
@@ -108,8 +107,9 @@ def main() -> None:
         print(json.dumps(one(args.one[0], int(args.one[1]))))
         return
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    rows = ["| model | n_gpus | gbs | candidates | valid | build_job s | strategy setup + first ask s | "
-            "start s (both) | front end until the study is open s |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | n_gpus | gbs | candidates | valid | build_job CPU s | strategy setup + first ask CPU s | "
+            "start CPU s (wall) | front end until the study is open, CPU s (wall) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for model in MODELS:
         for n in args.n_gpus:
             out = subprocess.run([sys.executable, __file__, "--one", model, str(n)], capture_output=True, text=True,
@@ -121,9 +121,8 @@ def main() -> None:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             fe, _ = front_end(model, n, args.timeout)
             rows.append(f"| {model} | {n} | {gbs_for(n)} | {r['candidates']} | {r['valid']} | {r['build_job']:.2f} | "
-                        f"{r['strategy setup+ask']:.2f} | {r['start']:.2f} | {fe:.2f} |" if fe is not None else
-                        f"| {model} | {n} | {gbs_for(n)} | {r['candidates']} | {r['valid']} | {r['build_job']:.2f} | "
-                        f"{r['strategy setup+ask']:.2f} | {r['start']:.2f} | - |")
+                        f"{r['strategy setup+ask']:.2f} | {r['start']:.2f} ({r['start_wall']:.2f}) | "
+                        + (f"{fe[0]:.2f} ({fe[1]:.2f}) |" if fe else "- |"))
             print(rows[-1], flush=True)
     # an absurd world size: refused in one line, fast
     t0 = time.perf_counter()
@@ -137,8 +136,9 @@ def main() -> None:
         "(heuristic) strategy's setup and first proposal, in a fresh process after imports. The last column",
         "is the real front end (`python -m zenithtune -m ... n_trials=1`) until the study is open (space",
         "report printed, just before the first launch), interpreter and Hydra start-up included. gbs = max(64, n_gpus / 4); simulated H100, 8 per node.", "",
-        f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, shared with other jobs: figures vary by",
-        "about +-30 % run to run.", "", *rows, "", refused, ""])
+        f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load average {os.getloadavg()[0]:.1f} at the end:",
+        "CPU seconds are the comparable figure; wall seconds include waiting for a shared CPU.", "", *rows, "",
+        refused, ""])
     if not args.no_write:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(text)

@@ -22,11 +22,12 @@ When = Literal["always", "moe", "vlm", "full_recompute"]
 LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
 RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 # What each rule reads of a candidate, so the enumeration runs it as soon as that much is fixed:
-# layout dimensions by name, "mbs", and "rest" (the recompute/ViT parameters). A rule missing here is
+# layout dimensions by name, "mbs", and "rest" (the recompute/ViT parameters); expert_grid waits for cp
+# so that a dense model's report names world_divisible, the rule a user expects. A rule missing here is
 # run on every whole candidate (correct, only slower).
 _LAYOUT = frozenset(("tp", "pp", "cp"))
 RULE_NEEDS: dict[str, frozenset[str]] = {
-    "world_divisible": _LAYOUT, "expert_grid": frozenset(("tp", "pp", "ep", "etp")), "experts": frozenset(("ep",)),
+    "world_divisible": _LAYOUT, "expert_grid": _LAYOUT | {"ep", "etp"}, "experts": frozenset(("ep",)),
     "tp_heads": frozenset(("tp",)), "tp_query_groups": frozenset(("tp",)), "hidden_heads": frozenset(),
     "cp_seq": frozenset(("cp",)), "gbs": _LAYOUT | {"mbs"}, "pp_layers": frozenset(("pp",)),
     "virtual_pipeline": _LAYOUT | {"mbs"}, "recompute": frozenset(("pp", "rest")),
