@@ -176,3 +176,14 @@ def test_resolve_unreadable_model(caplog):
     assert "acme/Gone" in caplog.text
     with pytest.raises(ModelInfoError, match="unknown model field"):
         resolve(explicit={"num_layer": 48}, argv=None, model=None)
+
+
+@pytest.mark.parametrize("info, ffn", [
+    (ModelInfo(hidden_size=4096, swiglu=True), 10880),  # int(4*4096*2/3/64)*64, Megatron's --swiglu default
+    (ModelInfo(hidden_size=4096, swiglu=False), 16384),
+    (ModelInfo(hidden_size=4096), 16384),
+    (ModelInfo(hidden_size=4096, ffn_hidden_size=14336, swiglu=True), 14336),
+    (ModelInfo(), None),
+])
+def test_ffn_is_the_stated_width_or_megatrons_default(info, ffn):
+    assert info.ffn == ffn

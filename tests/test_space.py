@@ -147,3 +147,57 @@ def test_layout_matches_a_hand_built_one():
     assert lay == Layout(n_gpus=8, gbs=64, tp=2, pp=2, cp=1, mbs=2, recompute_granularity="full",
                          recompute_method="block", recompute_num_layers=4, sequence_parallel=True)
     assert (lay.dp, lay.microbatches) == (2, 16)
+
+
+# --- scale: the enumeration prunes prefixes, so large worlds stay cheap (timings: benchmarks/startup.py) ---
+
+SMALL_MOE = ModelInfo(num_layers=12, hidden_size=1024, num_attention_heads=8, num_query_groups=4, seq_length=4096,
+                      vocab_size=32000, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                      disable_bias_linear=False)
+
+
+@pytest.mark.parametrize("model, n_gpus, gbs, kw", [
+    (LLAMA8B, 8, 64, {}), (LLAMA8B, 12, 48, {"mbs_max": 2}), (SMALL_MOE, 4, 16, {"mbs_max": 2}), (VLM, 8, 16, {}),
+    (SMALL_MOE, 4, 16, {"mbs_max": 2, "policy_off": frozenset({"etp_le_tp", "recompute_chunk"})}),
+])
+def test_walk_is_exactly_the_valid_part_of_the_full_product(model, n_gpus, gbs, kw):
+    s = space(model, n_gpus=n_gpus, gbs=gbs, **kw)
+    survey = Survey()
+    walked = [s.key(c) for c in s.walk(survey)]
+    every = [s.normalize(c) for c in s._sub(tuple(s.params), {})]
+    assert sorted(walked) == sorted(s.key(c) for c in every if not s._check(s.layout(c)))
+    assert survey.total == len(every) == survey.valid + sum(survey.removed.values())
+
+
+def test_a_16384_gpu_world_with_256_experts_walks():
+    deepseek = ModelInfo(num_layers=61, hidden_size=7168, num_attention_heads=128, num_query_groups=128,
+                         seq_length=4096, vocab_size=129280, num_experts=256, moe_router_topk=8,
+                         moe_ffn_hidden_size=2048, swiglu=True, disable_bias_linear=True)
+    s = space(deepseek, n_gpus=16384, gbs=4096)
+    survey = Survey()
+    cands = list(s.walk(survey))
+    assert survey.total == 15 ** 5 * 4 * 18  # tp, pp, cp, ep, etp x mbs x recompute choices
+    assert survey.valid == len(cands) > 0
+    assert all(s.reasons(c) == [] for c in cands[:: max(1, len(cands) // 200)])
+    assert {c["ep"] for c in cands} <= {1, 2, 4, 8, 16, 32, 64, 128, 256}
+
+
+def test_an_absurd_world_size_is_refused_naming_the_limit():
+    assert len(parallel_values(10 ** 9)) == 100  # divisors by trial division: instant
+    with pytest.raises(ValueError, match=r"n_gpus=1000000000 is above .* \(1048576 GPUs\)"):
+        Context(n_gpus=10 ** 9, gbs=64)
+
+
+def test_survey_groups_megatron_rules_and_policy():
+    s = space(LLAMA8B, n_gpus=8, gbs=64)
+    survey = Survey()
+    list(s.walk(survey))
+    megatron = dict(survey.removed_by("megatron"))
+    policy = dict(survey.removed_by("policy"))
+    assert "world_divisible" in megatron and "recompute_chunk" in policy
+    assert sum(megatron.values()) + sum(policy.values()) == sum(survey.removed.values())
+    relaxed = Survey()
+    list(space(LLAMA8B, n_gpus=8, gbs=64, policy_off=frozenset({"recompute_chunk"})).walk(relaxed))
+    assert relaxed.valid == survey.valid + policy["recompute_chunk"]
+    with pytest.raises(ValueError, match="prune.policy.gbs: no such policy"):
+        Context(n_gpus=8, gbs=64, policy_off=frozenset({"gbs"}))

@@ -21,10 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from zenithtune import resolvers  # noqa: F401  (registers ${zt.command:}, ${zt.python:}, ${zt.started:})
 from zenithtune.errors import UserError
+from zenithtune.space import MAX_GPUS
 
-# The largest world size a study may ask for: Megatron runs on at most a few tens of thousands of GPUs,
-# and the space's enumeration grows with the number of divisors of n_gpus.
-MAX_GPUS = 1 << 17
 
 
 @dataclass

@@ -11,16 +11,34 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping
 
-from zenithtune.command import CommandFacts, facts
+from zenithtune.command import CommandFacts
 from zenithtune.errors import UserError
 from zenithtune.modelinfo import ModelInfo
-from zenithtune.validate import POLICIES, RULE_KINDS, Layout, check
+from zenithtune.options import Adjusted, adjust, options_for, sequence_parallel_note
+from zenithtune.validate import POLICIES, RULE_KINDS, RULES, Layout, Rule, divisors, check
 
 Candidate = dict[str, Any]
 When = Literal["always", "moe", "vlm", "full_recompute"]
 
 LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
 RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+# What each rule reads of a candidate, so the enumeration runs it as soon as that much is fixed:
+# layout dimensions by name, "mbs", and "rest" (the recompute/ViT parameters); expert_grid waits for cp
+# so that a dense model's report names world_divisible, the rule a user expects. A rule missing here is
+# run on every whole candidate (correct, only slower).
+_LAYOUT = frozenset(("tp", "pp", "cp"))
+RULE_NEEDS: dict[str, frozenset[str]] = {
+    "world_divisible": _LAYOUT, "expert_grid": _LAYOUT | {"ep", "etp"}, "experts": frozenset(("ep",)),
+    "tp_heads": frozenset(("tp",)), "tp_query_groups": frozenset(("tp",)), "hidden_heads": frozenset(),
+    "cp_seq": frozenset(("cp",)), "gbs": _LAYOUT | {"mbs"}, "pp_layers": frozenset(("pp",)),
+    "virtual_pipeline": _LAYOUT | {"mbs"}, "recompute": frozenset(("pp", "rest")),
+    "moe_sequence_parallel": frozenset(("tp",)), "local_impl_sequence_parallel": frozenset(("tp",)),
+    "tp_comm_overlap": frozenset(("tp",)), "distribute_saved_activations": frozenset(("tp", "rest")),
+    "moe_etp_bias": frozenset(("tp", "etp")), "etp_le_tp": frozenset(("tp", "etp")),
+    "etp_dense": frozenset(("tp", "etp")), "cp_short_seq": frozenset(("cp",)),
+    "recompute_chunk": frozenset(("pp", "rest")), "vlm_full_uniform_only": frozenset(("rest",)),
+}
+MAX_GPUS = 1 << 20  # the largest world size a study plans for (today's largest runs use ~100k GPUs)
 # Defaults for parameters a preset does not search (Megatron's own defaults).
 DEFAULTS: Candidate = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "mbs": 1}
 
@@ -41,6 +59,9 @@ class Context:
     policy_off: frozenset[str] = frozenset()  # policy rules switched off (prune.policy.<name>=false)
 
     def __post_init__(self) -> None:
+        if self.n_gpus > MAX_GPUS:
+            raise UserError(f"n_gpus={self.n_gpus} is above the largest world size zenithtune plans for "
+                             f"({MAX_GPUS} GPUs); give the GPUs of one training run")
         unknown = sorted(set(self.policy_off) - set(POLICIES))
         if unknown:
             raise UserError(f"prune.policy.{unknown[0]}: no such policy; the policies are {list(POLICIES)}")
@@ -63,7 +84,7 @@ def parallel_values(n: int) -> tuple[int, ...]:
     every divisor of n (12 GPUs allow TP 3 and 6; 24 allow PP 3)."""
     if n & (n - 1) == 0:
         return tuple(1 << k for k in range(n.bit_length()))
-    return tuple(k for k in range(1, n + 1) if n % k == 0)
+    return tuple(divisors(n))
 
 
 def mbs_values(mbs_max: int, gbs: int) -> tuple[int, ...]:
@@ -75,140 +96,6 @@ def mbs_values(mbs_max: int, gbs: int) -> tuple[int, ...]:
             out.append(b)
         b *= 2
     return tuple(out)
-
-
-SequenceParallelMode = Literal["auto", "command"]
-
-# Options whose ms-swift default differs from Megatron's, for the options zenithtune injects (ms-swift
-# MegatronArguments, swift/megatron/arguments/megatron_args.py; the table is in docs/fidelity.md).
-# Leaving such an option out would run ms-swift's default, not the candidate's, so it is written out.
-SWIFT_DEFAULTS = {"--recompute-granularity": "selective", "--expert-tensor-parallel-size": "1"}
-VPP_OPTIONS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-               "--virtual-pipeline-model-parallel-size")
-
-
-def sequence_parallel_for(tp: int, moe: bool, flags: CommandFacts,
-                          mode: SequenceParallelMode = "auto") -> bool:
-    """Whether a candidate runs with sequence parallelism (the reason is `sequence_parallel_note`).
-
-    Never at tp == 1 (Megatron turns it off) nor with ``--transformer-impl local`` (torch LayerNorm
-    asserts); always for MoE with tp > 1 (MoELayer raises without it). Otherwise ``command`` keeps the
-    user's own choice (``--sequence-parallel`` present or not) and ``auto`` adds it at tp > 1 unless the
-    user said no (ms-swift ``--sequence_parallel false``) or chose ``--distribute-saved-activations``,
-    which Megatron refuses together with it."""
-    if tp <= 1 or flags.local_impl:
-        return False
-    if moe:
-        return True
-    if mode == "command":
-        return bool(flags.sequence_parallel)
-    if flags.sequence_parallel is False:
-        return False
-    return not (flags.distribute_saved_activations and flags.sequence_parallel is None)
-
-
-def sequence_parallel_note(flags: CommandFacts, mode: SequenceParallelMode, moe: bool) -> str:
-    """One line for the space report: where sequence parallelism is on and why."""
-    if flags.local_impl:
-        tail = ("; MoE with tp > 1 needs it, so those layouts are pruned" if moe else "")
-        return ("sequence parallel: never added: the command selects --transformer-impl local, whose torch "
-                "LayerNorm refuses it" + tail)
-    moe_part = "on with MoE at tp > 1 (Megatron requires it); " if moe else ""
-    if mode == "command":
-        return (f"sequence parallel: {moe_part}otherwise as the command says "
-                f"({'on at tp > 1' if flags.sequence_parallel else 'off'}; preset sequence_parallel=command)")
-    if flags.sequence_parallel is False:
-        return f"sequence parallel: {moe_part}otherwise off, as the command says (--sequence_parallel false)"
-    if flags.distribute_saved_activations and flags.sequence_parallel is None:
-        return (f"sequence parallel: {moe_part}otherwise off: the command's --distribute-saved-activations "
-                f"cannot run with it")
-    return ("sequence parallel: added at tp > 1 (preset sequence_parallel=auto; it saves activation memory at "
-            "no cost; sequence_parallel=command keeps the command's own choice)")
-
-
-@dataclass(frozen=True)
-class Adjusted:
-    """How one candidate runs the user's own flags: what is kept, what is dropped (and why not)."""
-
-    sequence_parallel: bool
-    recompute_granularity: str | None  # what really runs ("none" -> None; --recompute-activations -> selective)
-    drop: tuple[str, ...]  # the user's options removed for this candidate
-    explicit: tuple[tuple[str, str], ...]  # options written out because ms-swift's default differs
-
-    def options(self) -> dict[str, Any]:
-        return {**{o: None for o in self.drop}, **dict(self.explicit)}
-
-
-def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandFacts,
-           moe: bool | None = None) -> Adjusted:
-    """The user's flags that a candidate changes the meaning of, decided in one place for both the
-    injected options (`options_for`) and the layout the rules check (`Space.layout`).
-
-    * ``--recompute-activations`` is Megatron's shorthand for selective recompute: dropped whenever the
-      preset tunes the granularity (with it a "none" candidate would run selective and a "full" one
-      would be refused);
-    * the virtual-pipeline options are dropped at pp == 1 (Megatron refuses interleaving there);
-    * ``--tp-comm-overlap`` is dropped where sequence parallelism is off (tp == 1, local impl);
-    * ``--distribute-saved-activations`` is dropped where Megatron refuses it (tp == 1, not full
-      recompute, sequence parallelism on);
-    * ms-swift: an option left out runs ms-swift's default, so where that differs from Megatron's
-      (`SWIFT_DEFAULTS`) the Megatron value is written out (``--recompute_granularity none``).
-
-    `moe` None: inferred from the candidate (``ep``/``etp`` apply only to MoE models)."""
-    moe = ("ep" in params or "etp" in params) if moe is None else moe
-    spec = preset.get("params") or {}
-    mode = str(preset.get("sequence_parallel", "auto"))
-    tp = int(params.get("tp", 1) or 1)
-    pp = int(params.get("pp", 1) or 1)
-    granularity = params.get("recompute_granularity")
-    if granularity == "none":
-        granularity = None
-    if "recompute_granularity" not in spec and flags.recompute_activations:
-        granularity = "selective"
-    sp = sequence_parallel_for(tp, moe, flags, mode)  # type: ignore[arg-type]
-    drop: list[str] = []
-    if flags.recompute_activations and "recompute_granularity" in spec:
-        drop.append("--recompute-activations")
-    if pp <= 1 and (flags.layers_per_virtual_stage or flags.virtual_stages):
-        drop += VPP_OPTIONS
-    if flags.tp_comm_overlap and not sp:
-        drop.append("--tp-comm-overlap")
-    if flags.distribute_saved_activations and not (tp > 1 and granularity == "full" and not sp):
-        drop.append("--distribute-saved-activations")
-    explicit: list[tuple[str, str]] = []
-    if flags.trainer == "swift":
-        if "recompute_granularity" in spec and granularity is None:
-            explicit.append(("--recompute-granularity", "none"))
-        if moe and params.get("etp") is None:
-            explicit.append(("--expert-tensor-parallel-size", str(tp)))  # Megatron's default: etp = tp
-    return Adjusted(sp, granularity, tuple(drop), tuple(explicit))
-
-
-def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,
-                argv: list[str] | None = None, *, moe: bool | None = None) -> dict[str, Any]:
-    """Option name -> value for `inject`: a value sets the option; None removes it.
-
-    `params` must hold exactly the parameters that apply (a normalized candidate or a tuned config):
-    every preset option it does not name is removed from the command, so a stale
-    `--recompute-method` never reaches a selective-recompute run. With the wrapped command (`argv`)
-    the user's own flags are adjusted for this candidate (`adjust`). Needs no model info, so the entry
-    function can call it cheaply in every trial."""
-    out: dict[str, Any] = {}
-    for name, spec in (preset.get("params") or {}).items():
-        v = params.get(name)
-        if v is not None and "absent" in spec and v == spec["absent"]:
-            v = None
-        if isinstance(v, bool):
-            v = "true" if v else "false"
-        out[str(spec["option"])] = None if v is None else str(v)
-    fixed = preset.get("fixed") or {}
-    if fixed.get("global_batch_size"):
-        out[str(fixed["global_batch_size"])] = str(gbs)
-    adjusted = adjust(preset, params, facts(argv) if argv is not None else CommandFacts(), moe)
-    if fixed.get("sequence_parallel"):
-        out[str(fixed["sequence_parallel"])] = adjusted.sequence_parallel
-    out.update(adjusted.options())
-    return out
 
 
 def policy_off(node: Mapping[str, Any] | None) -> frozenset[str]:
@@ -258,6 +145,12 @@ class Space:
         self.preset = preset
         self.ctx = ctx
         self._walked: tuple[list[Candidate], Survey] | None = None
+        self._adjust_memo: dict[tuple, Adjusted] = {}
+        self._layout_memo: dict[tuple, Layout] = {}  # the screen, the strategies and the report ask again and again
+        # applicability known from the model alone (None: depends on the candidate: full recompute)
+        self._applies_now: dict[str, bool] = {
+            p.name: {"always": True, "moe": ctx.model.is_moe, "vlm": ctx.model.is_vlm}[p.when]
+            for p in params if p.when != "full_recompute"}
 
     @classmethod
     def from_preset(cls, preset: Mapping[str, Any], ctx: Context) -> Space:
@@ -285,7 +178,9 @@ class Space:
 
     def normalize(self, cand: Mapping[str, Any]) -> Candidate:
         """Keep only the parameters that apply, in the preset's order."""
-        return {k: cand[k] for k in self.params if k in cand and self.applies(k, cand)}
+        full = cand.get("recompute_granularity") == "full"
+        ok = self._applies_now
+        return {k: cand[k] for k in self.params if k in cand and ok.get(k, full)}
 
     def key(self, cand: Mapping[str, Any]) -> tuple:
         """Identity of a candidate (two proposals with the same key are the same run)."""
@@ -295,13 +190,30 @@ class Space:
     # --- translations ----------------------------------------------------------------------------
     def adjusted(self, cand: Mapping[str, Any]) -> Adjusted:
         """How this candidate runs the user's own flags (see `adjust`)."""
-        return adjust(self.preset, self.normalize(cand), self.ctx.flags, self.ctx.model.is_moe)
+        return self._adjusted(self.normalize(cand))
+
+    def _adjusted(self, norm: Mapping[str, Any]) -> Adjusted:
+        # adjust() reads only these of a normalized candidate; memoized because the enumeration and the
+        # memory screen build a layout for every candidate of a large space
+        memo_key = (norm.get("tp", 1), norm.get("pp", 1), norm.get("recompute_granularity"), norm.get("etp") is None)
+        found = self._adjust_memo.get(memo_key)
+        if found is None:
+            found = self._adjust_memo[memo_key] = adjust(self.preset, norm, self.ctx.flags, self.ctx.model.is_moe)
+        return found
 
     def layout(self, cand: Mapping[str, Any]) -> Layout:
-        c = {**DEFAULTS, **self.normalize(cand)}
+        norm = self.normalize(cand)
+        memo_key = tuple(norm.items())
+        found = self._layout_memo.get(memo_key)
+        if found is None:
+            found = self._layout_memo[memo_key] = self._layout(norm)
+        return found
+
+    def _layout(self, norm: Candidate) -> Layout:
+        c = {**DEFAULTS, **norm}
         moe = self.ctx.model.is_moe
         flags = self.ctx.flags
-        adj = self.adjusted(cand)
+        adj = self._adjusted(norm)
         pp = int(c["pp"])
         return Layout(
             n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs,
@@ -409,27 +321,99 @@ class Space:
             survey.notes += [n for n in self.notes() if n not in survey.notes]
         return (dict(c) for c in valid)
 
+    def _stage_rules(self) -> tuple[dict[str, tuple[Rule, ...]], tuple[Rule, ...], tuple[Rule, ...], tuple[Rule, ...]]:
+        """The active rules split by the first enumeration stage at which all they read is fixed:
+        after a layout dimension (by name), after mbs, after the recompute/ViT choices, or only on a
+        whole candidate (a rule `RULE_NEEDS` does not know)."""
+        skip = set(self.ctx.policy_off) | (set() if self.ctx.vlm_full_uniform_only else {"vlm_full_uniform_only"})
+        active = [r for r in RULES if r.name not in skip]
+        lay_names = [n for n in LAYOUT_PARAMS if n in self.params and self.applies(n, {})]
+        by_dim: dict[str, tuple[Rule, ...]] = {}
+        placed: set[str] = set()
+        fixed: set[str] = set(LAYOUT_PARAMS) - set(lay_names)  # dimensions this job does not search
+        for name in lay_names:
+            fixed.add(name)
+            now = tuple(r for r in active if r.name not in placed and r.name in RULE_NEEDS and RULE_NEEDS[r.name] <= fixed)
+            by_dim[name] = now
+            placed.update(r.name for r in now)
+        if not lay_names:  # nothing searched: every layout-only rule runs once on the defaults
+            by_dim[""] = tuple(r for r in active if r.name in RULE_NEEDS and RULE_NEEDS[r.name] <= fixed)
+            placed.update(r.name for r in by_dim[""])
+        left = [r for r in active if r.name not in placed]
+        mbs_rules = tuple(r for r in left if r.name in RULE_NEEDS and "rest" not in RULE_NEEDS[r.name])
+        rest_rules = tuple(r for r in left if r.name in RULE_NEEDS and "mbs" not in RULE_NEEDS[r.name]
+                           and r not in mbs_rules)
+        final = tuple(r for r in left if r not in mbs_rules and r not in rest_rules)
+        return by_dim, mbs_rules, rest_rules, final
+
     def _enumerate(self, survey: Survey) -> Iterator[Candidate]:
-        lay_names = tuple(n for n in LAYOUT_PARAMS if n in self.params)
-        rest_names = tuple(n for n in self.params if n not in lay_names and n != "mbs")
-        rest = self._sub(rest_names, {})
-        mbs_choices = self.params["mbs"].choices if "mbs" in self.params else (1,)
+        """Depth-first over tp, pp, cp, ep, etp, then mbs x the recompute/ViT choices. A rule runs at the
+        first level where everything it reads is fixed (`RULE_NEEDS`), so a broken prefix removes its
+        whole sub-tree at once (counted in the survey) and the enumeration costs what the valid part of
+        the space costs, not the product of every dimension (16384 GPUs, 256 experts: milliseconds to
+        seconds, see benchmarks/startup.py)."""
+        order = list(self.params)
+        lay_names = [n for n in LAYOUT_PARAMS if n in self.params and self.applies(n, {})]
+        rest_names = tuple(n for n in self.params if n not in LAYOUT_PARAMS and n != "mbs")
+        rest = [self.normalize(r) for r in self._sub(rest_names, {})]
+        has_mbs = "mbs" in self.params
+        mbs_choices = self.params["mbs"].choices if has_mbs else (1,)
         per_layout = len(mbs_choices) * len(rest)
-        for lay_c in self._sub(lay_names, {}):
-            base = {**lay_c, "mbs": 1} if "mbs" in self.params else dict(lay_c)
-            survey.total += per_layout
-            bad = self._check(self.layout(base))
+        sizes = [len(self.params[n].choices) for n in lay_names]
+        below = [per_layout] * (len(lay_names) + 1)  # candidates under one node at each depth
+        for i in range(len(lay_names) - 1, -1, -1):
+            below[i] = below[i + 1] * sizes[i]
+        survey.total += below[0]
+        by_dim, mbs_rules, rest_rules, final = self._stage_rules()
+        model = self.ctx.model
+
+        def broken(cand: Mapping[str, Any], rules: tuple[Rule, ...], weight: int) -> bool:
+            if not rules:
+                return False
+            bad = check(self.layout(cand), model, rules=rules)
             if bad:
-                survey.removed[bad[0][0]] += per_layout
+                survey.removed[bad[0][0]] += weight
                 survey.reasons.setdefault(bad[0][0], bad[0][1])
-                continue
-            for mbs in mbs_choices:
+            return bool(bad)
+
+        def layouts(depth: int, prefix: Candidate) -> Iterator[Candidate]:
+            if depth == len(lay_names):
+                yield prefix
+                return
+            name = lay_names[depth]
+            for v in self.params[name].choices:
+                c = {**prefix, name: v}
+                if not broken(c, by_dim.get(name, ()), below[depth + 1]):
+                    yield from layouts(depth + 1, c)
+
+        if not lay_names and broken({}, by_dim.get("", ()), below[0]):
+            return
+        rest_dims = sorted(set().union(*(RULE_NEEDS[r.name] for r in rest_rules)) - {"rest"}) if rest_rules else []
+        rest_memo: dict[tuple, list[str | None]] = {}
+        for lay_c in layouts(0, {}):
+            # the recompute/ViT rules do not read mbs (and only a few layout dimensions, RULE_NEEDS):
+            # decide them once per distinct value of what they read
+            memo_key = tuple(lay_c.get(n) for n in rest_dims)
+            rest_bad = rest_memo.get(memo_key)
+            if rest_bad is None:
+                rest_bad = []
                 for r in rest:
-                    cand = self.normalize({**lay_c, "mbs": mbs, **r} if "mbs" in self.params else {**lay_c, **r})
-                    bad = self._check(self.layout(cand))
+                    bad = check(self.layout({**lay_c, **r}), model, rules=rest_rules) if rest_rules else []
+                    rest_bad.append(bad[0][0] if bad else None)
                     if bad:
-                        survey.removed[bad[0][0]] += 1
                         survey.reasons.setdefault(bad[0][0], bad[0][1])
+                rest_memo[memo_key] = rest_bad
+            for mbs in mbs_choices:
+                at_mbs = {**lay_c, "mbs": mbs} if has_mbs else dict(lay_c)
+                if broken(at_mbs, mbs_rules, len(rest)):
+                    continue
+                for r, bad_rule in zip(rest, rest_bad):
+                    if bad_rule is not None:
+                        survey.removed[bad_rule] += 1
+                        continue
+                    merged = {**at_mbs, **r}
+                    cand = {k: merged[k] for k in order if k in merged}
+                    if broken(cand, final, 1):
                         continue
                     survey.valid += 1
                     yield cand

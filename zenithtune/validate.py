@@ -111,8 +111,17 @@ class Rule:
     why: str  # one line: why the rule exists
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def divisors(n: int) -> list[int]:
+    """Every divisor of n, ascending (trial division up to sqrt(n): fast for any world size)."""
+    small, large = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            small.append(k)
+            if k * k != n:
+                large.append(n // k)
+        k += 1
+    return small + large[::-1]
 
 
 # --- Megatron's rules (kind "megatron"): each docstring cites the check it mirrors --------------
@@ -122,7 +131,7 @@ def world_divisible(lay: Layout, model: ModelInfo) -> str | None:
     raises "world_size (N) is not divisible by ..."."""
     mp = lay.model_parallel
     if mp <= 0 or lay.n_gpus % mp:
-        ok = [t for t in _divisors(lay.n_gpus) if (lay.n_gpus % (t * lay.pp * lay.cp) == 0)]
+        ok = [t for t in divisors(lay.n_gpus) if (lay.n_gpus % (t * lay.pp * lay.cp) == 0)]
         return (f"world size ({lay.n_gpus}) is not divisible by tensor model parallel size ({lay.tp}) "
                 f"times pipeline model parallel size ({lay.pp}) times context parallel size ({lay.cp}) "
                 f"= {mp}" + (f"; tp in {ok} would divide it at pp={lay.pp}, cp={lay.cp}" if ok else ""))
@@ -152,7 +161,7 @@ def experts_divisible(lay: Layout, model: ModelInfo) -> str | None:
         return f"expert model parallel size ({lay.ep}) > 1 needs a MoE model (--num-experts); this model is dense"
     if model.num_experts % lay.ep:
         return (f"number of experts ({model.num_experts}) must be divisible by expert model parallel size "
-                f"({lay.ep}); ep in {_divisors(model.num_experts)} would")
+                f"({lay.ep}); ep in {divisors(model.num_experts)} would")
     return None
 
 
@@ -217,7 +226,7 @@ def pp_divides_layers(lay: Layout, model: ModelInfo) -> str | None:
     total = L + lay.pipeline_extra_layers
     if total % lay.pp:
         extra = f" + {lay.pipeline_extra_layers} (account-for-* in the pipeline split)" if lay.pipeline_extra_layers else ""
-        ok = [p for p in _divisors(total) if p <= lay.n_gpus]
+        ok = [p for p in divisors(total) if p <= lay.n_gpus]
         return (f"number of layers ({L}{extra}) must be divisible by pipeline model parallel size ({lay.pp}) "
                 f"for an even pipeline; pp in {ok} would")
     return None
@@ -284,7 +293,7 @@ def recompute_options(lay: Layout, model: ModelInfo) -> str | None:
         return f"full recompute needs --recompute-method uniform|block (got {m!r})"
     if n is None:
         per_stage = lay.layers_per_stage(model.num_layers)
-        return (f"full recompute needs --recompute-num-layers"
+        return ("full recompute needs --recompute-num-layers"
                 + (f" between 1 and the layers per pipeline stage ({per_stage})" if per_stage else "") + " (got None)")
     return None
 

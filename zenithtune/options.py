@@ -1,0 +1,150 @@
+"""The options one candidate puts into the user's command, and what it does to the user's own flags.
+
+`options_for` turns a candidate (or a tuned config) into the option dict `inject` writes; `adjust`
+decides, in one place, how a candidate runs the flags the user already wrote (``--recompute-activations``,
+virtual pipeline options, ``--tp-comm-overlap``, ``--distribute-saved-activations``, sequence
+parallelism, ms-swift's differing defaults). `Space.layout` reads the same decision, so the rules
+check what will really run. See docs/fidelity.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from zenithtune.command import CommandFacts, facts
+
+__all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
+           "sequence_parallel_for", "sequence_parallel_note"]
+
+SequenceParallelMode = Literal["auto", "command"]
+
+# Options whose ms-swift default differs from Megatron's, for the options zenithtune injects (ms-swift
+# MegatronArguments, swift/megatron/arguments/megatron_args.py; the table is in docs/fidelity.md).
+# Leaving such an option out would run ms-swift's default, not the candidate's, so it is written out.
+SWIFT_DEFAULTS = {"--recompute-granularity": "selective", "--expert-tensor-parallel-size": "1"}
+VPP_OPTIONS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+               "--virtual-pipeline-model-parallel-size")
+
+
+def sequence_parallel_for(tp: int, moe: bool, flags: CommandFacts,
+                          mode: SequenceParallelMode = "auto") -> bool:
+    """Whether a candidate runs with sequence parallelism (the reason is `sequence_parallel_note`).
+
+    Never at tp == 1 (Megatron turns it off) nor with ``--transformer-impl local`` (torch LayerNorm
+    asserts); always for MoE with tp > 1 (MoELayer raises without it). Otherwise ``command`` keeps the
+    user's own choice (``--sequence-parallel`` present or not) and ``auto`` adds it at tp > 1 unless the
+    user said no (ms-swift ``--sequence_parallel false``) or chose ``--distribute-saved-activations``,
+    which Megatron refuses together with it."""
+    if tp <= 1 or flags.local_impl:
+        return False
+    if moe:
+        return True
+    if mode == "command":
+        return bool(flags.sequence_parallel)
+    if flags.sequence_parallel is False:
+        return False
+    return not (flags.distribute_saved_activations and flags.sequence_parallel is None)
+
+
+def sequence_parallel_note(flags: CommandFacts, mode: SequenceParallelMode, moe: bool) -> str:
+    """One line for the space report: where sequence parallelism is on and why."""
+    if flags.local_impl:
+        tail = ("; MoE with tp > 1 needs it, so those layouts are pruned" if moe else "")
+        return ("sequence parallel: never added: the command selects --transformer-impl local, whose torch "
+                "LayerNorm refuses it" + tail)
+    moe_part = "on with MoE at tp > 1 (Megatron requires it); " if moe else ""
+    if mode == "command":
+        return (f"sequence parallel: {moe_part}otherwise as the command says "
+                f"({'on at tp > 1' if flags.sequence_parallel else 'off'}; preset sequence_parallel=command)")
+    if flags.sequence_parallel is False:
+        return f"sequence parallel: {moe_part}otherwise off, as the command says (--sequence_parallel false)"
+    if flags.distribute_saved_activations and flags.sequence_parallel is None:
+        return (f"sequence parallel: {moe_part}otherwise off: the command's --distribute-saved-activations "
+                f"cannot run with it")
+    return ("sequence parallel: added at tp > 1 (preset sequence_parallel=auto; it saves activation memory at "
+            "no cost; sequence_parallel=command keeps the command's own choice)")
+
+
+@dataclass(frozen=True)
+class Adjusted:
+    """How one candidate runs the user's own flags: what is kept, what is dropped (and why not)."""
+
+    sequence_parallel: bool
+    recompute_granularity: str | None  # what really runs ("none" -> None; --recompute-activations -> selective)
+    drop: tuple[str, ...]  # the user's options removed for this candidate
+    explicit: tuple[tuple[str, str], ...]  # options written out because ms-swift's default differs
+
+    def options(self) -> dict[str, Any]:
+        return {**{o: None for o in self.drop}, **dict(self.explicit)}
+
+
+def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandFacts,
+           moe: bool | None = None) -> Adjusted:
+    """The user's flags that a candidate changes the meaning of, decided in one place for both the
+    injected options (`options_for`) and the layout the rules check (`Space.layout`).
+
+    * ``--recompute-activations`` is Megatron's shorthand for selective recompute: dropped whenever the
+      preset tunes the granularity (with it a "none" candidate would run selective and a "full" one
+      would be refused);
+    * the virtual-pipeline options are dropped at pp == 1 (Megatron refuses interleaving there);
+    * ``--tp-comm-overlap`` is dropped where sequence parallelism is off (tp == 1, local impl);
+    * ``--distribute-saved-activations`` is dropped where Megatron refuses it (tp == 1, not full
+      recompute, sequence parallelism on);
+    * ms-swift: an option left out runs ms-swift's default, so where that differs from Megatron's
+      (`SWIFT_DEFAULTS`) the Megatron value is written out (``--recompute_granularity none``).
+
+    `moe` None: inferred from the candidate (``ep``/``etp`` apply only to MoE models)."""
+    moe = ("ep" in params or "etp" in params) if moe is None else moe
+    spec = preset.get("params") or {}
+    mode = str(preset.get("sequence_parallel", "auto"))
+    tp = int(params.get("tp", 1) or 1)
+    pp = int(params.get("pp", 1) or 1)
+    granularity = params.get("recompute_granularity")
+    if granularity == "none":
+        granularity = None
+    if "recompute_granularity" not in spec and flags.recompute_activations:
+        granularity = "selective"
+    sp = sequence_parallel_for(tp, moe, flags, mode)  # type: ignore[arg-type]
+    drop: list[str] = []
+    if flags.recompute_activations and "recompute_granularity" in spec:
+        drop.append("--recompute-activations")
+    if pp <= 1 and (flags.layers_per_virtual_stage or flags.virtual_stages):
+        drop += VPP_OPTIONS
+    if flags.tp_comm_overlap and not sp:
+        drop.append("--tp-comm-overlap")
+    if flags.distribute_saved_activations and not (tp > 1 and granularity == "full" and not sp):
+        drop.append("--distribute-saved-activations")
+    explicit: list[tuple[str, str]] = []
+    if flags.trainer == "swift":
+        if "recompute_granularity" in spec and granularity is None:
+            explicit.append(("--recompute-granularity", "none"))
+        if moe and params.get("etp") is None:
+            explicit.append(("--expert-tensor-parallel-size", str(tp)))  # Megatron's default: etp = tp
+    return Adjusted(sp, granularity, tuple(drop), tuple(explicit))
+
+
+def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,
+                argv: list[str] | None = None, *, moe: bool | None = None) -> dict[str, Any]:
+    """Option name -> value for `inject`: a value sets the option; None removes it.
+
+    `params` must hold exactly the parameters that apply (a normalized candidate or a tuned config):
+    every preset option it does not name is removed from the command, so a stale
+    `--recompute-method` never reaches a selective-recompute run. With the wrapped command (`argv`)
+    the user's own flags are adjusted for this candidate (`adjust`). Needs no model info, so the entry
+    function can call it cheaply in every trial."""
+    out: dict[str, Any] = {}
+    for name, spec in (preset.get("params") or {}).items():
+        v = params.get(name)
+        if v is not None and "absent" in spec and v == spec["absent"]:
+            v = None
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        out[str(spec["option"])] = None if v is None else str(v)
+    fixed = preset.get("fixed") or {}
+    if fixed.get("global_batch_size"):
+        out[str(fixed["global_batch_size"])] = str(gbs)
+    adjusted = adjust(preset, params, facts(argv) if argv is not None else CommandFacts(), moe)
+    if fixed.get("sequence_parallel"):
+        out[str(fixed["sequence_parallel"])] = adjusted.sequence_parallel
+    out.update(adjusted.options())
+    return out
