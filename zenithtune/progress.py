@@ -114,8 +114,10 @@ class Progress(Callbacks):
                 self.line(f"  {title}:")
             for rule, n in removed:
                 self.line(f"  - {n:6d} removed by {rule}: e.g. {s.reasons[rule]}")
-        self.line(f"  - {job.predicted_oom_count:6d} predicted to run out of memory (not launched)")
-        self.line(f"  = {s.valid - job.predicted_oom_count} left to search; strategy "
+        about = "~" if job.predicted_oom_estimated else " "
+        self.line(f"  -{about}{job.predicted_oom_count:6d} predicted to run out of memory (not launched)"
+                  + (" (counted on a sample)" if job.predicted_oom_estimated else ""))
+        self.line(f"  ={about}{s.valid - job.predicted_oom_count} left to search; strategy "
                   f"{job.strategy_name}, n_trials={self.total}")
         for note in s.notes:
             self.line(f"  note: {note}")
