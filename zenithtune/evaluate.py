@@ -25,7 +25,8 @@ import math
 import re
 import statistics
 from array import array
-from typing import Literal, Sequence, get_args
+from collections.abc import Sequence
+from typing import Literal, get_args
 
 from zenithtune.run import FailureKind
 
@@ -123,7 +124,7 @@ class Evaluator(abc.ABC):
     direction: Direction = "maximize"
     metric_name: str = "value"
 
-    def begin(self) -> None:
+    def begin(self) -> None:  # noqa: B027  (a hook: most evaluators keep nothing between trials)
         """Forget everything fed so far: a new trial starts."""
 
     @abc.abstractmethod
@@ -182,7 +183,7 @@ class _PatternEvaluator(Evaluator):
         self._group = group
         self.begin()
 
-    def begin(self) -> None:
+    def begin(self) -> None:  # noqa: B027  (a hook: most evaluators keep nothing between trials)
         self._values = array("d")  # 8 bytes a value: flat even for a million logged intervals
         self._lines = 0
         self._not_number: str | None = None
@@ -319,7 +320,7 @@ class SwiftSpeed(_PatternEvaluator):
                          selector=selector, skip_first=skip_first, group=2)
         self.per_interval = per_interval
 
-    def begin(self) -> None:
+    def begin(self) -> None:  # noqa: B027  (a hook: most evaluators keep nothing between trials)
         super().begin()
         self._intervals = array("d")
         self._stepless = False

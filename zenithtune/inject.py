@@ -15,11 +15,11 @@ options (``torchrun --nproc-per-node 8``) are never touched (`zenithtune.command
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
-from typing import Literal, Mapping
+from typing import Literal
 
-from zenithtune.command import (Occurrence, canonical, find_option, is_swift_command, option_region,
-                                options_start, scan)
+from zenithtune.command import Occurrence, canonical, find_option, is_swift_command, option_region, options_start, scan
 
 __all__ = ["REMOVE", "OptValue", "BoolStyle", "inject", "find_option", "canonical", "describe",
            "options_start", "is_swift_command"]

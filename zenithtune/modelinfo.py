@@ -385,7 +385,7 @@ def resolve(*, explicit: dict[str, Any] | None, argv: list[str] | None, model: s
     if unknown:
         raise ModelInfoError(f"unknown model field(s) {unknown}; known: {sorted(MODEL_FIELDS - {'name'})}")
     info = ModelInfo(**given)
-    for source, load in (("the command", (lambda: from_argv(argv)) if argv else None),
+    for _source, load in (("the command", (lambda: from_argv(argv)) if argv else None),
                          (f"model={model}", (lambda: from_hf(model)) if model else None)):
         if load is None:
             continue

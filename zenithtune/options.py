@@ -8,8 +8,9 @@ check what will really run. See docs/fidelity.md.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from zenithtune.command import CommandFacts, facts
 

@@ -20,9 +20,10 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["MARKER_ENV", "TrialProcess", "members", "kill_tree", "kill_leftovers"]
 

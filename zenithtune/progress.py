@@ -75,8 +75,14 @@ class Progress(Callbacks):
             print(text, file=self.out, flush=True)
 
     def _start_bar(self, done: int) -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         from rich.progress import Progress as Bar
 
         self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),

@@ -35,10 +35,11 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 from zenithtune.processes import MARKER_ENV, TrialProcess, kill_tree, members
 

@@ -8,14 +8,15 @@ the option dict that `inject` writes into the user's command.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal
 
 from zenithtune.command import CommandFacts
 from zenithtune.errors import UserError
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.options import Adjusted, adjust, options_for, sequence_parallel_note
-from zenithtune.validate import POLICIES, RULE_KINDS, RULES, Layout, Rule, divisors, check
+from zenithtune.validate import POLICIES, RULE_KINDS, RULES, Layout, Rule, check, divisors
 
 Candidate = dict[str, Any]
 When = Literal["always", "moe", "vlm", "full_recompute"]

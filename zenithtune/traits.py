@@ -12,8 +12,9 @@ options (an NCCL error, a data-loader crash) teaches nothing and returns None.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 # Words by which a failure says a setting is refused rather than that something broke on the way.
 _REFUSAL = re.compile(r"not supported|unsupported|not implemented|notimplementederror|assertionerror|"

@@ -18,8 +18,9 @@ Rules whose inputs are unknown (a None field in ModelInfo) do not fire.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable, Collection, Literal
+from typing import Literal
 
 from zenithtune.modelinfo import ModelInfo
 
