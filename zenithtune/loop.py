@@ -221,7 +221,10 @@ class StudyLoop:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, base)
         try:
-            trial = self.study.ask()
+            with warnings.catch_warnings():
+                # Optuna says its heartbeat is meant for Study.optimize: Liveness beats for ask/tell trials
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                trial = self.study.ask()
             self._open[trial.number] = trial
             if self.liveness is not None:
                 self.liveness.hold(trial)

@@ -51,5 +51,9 @@ def _started(pattern: str) -> str:
 
 
 OmegaConf.register_resolver("zt.started", _started, replace=True, annotation_validation="off")
+# With the microseconds of ${zt.started:...%f}, the pid makes a study folder this process's own: two
+# studies started in the same second (or on two hosts sharing outputs/) never share a study.db. A
+# launcher's job process composes its config anew; the sweeper passes it the resolved folder.
+OmegaConf.register_resolver("zt.pid", lambda: str(os.getpid()), replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.mkdir", _mkdir, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.python", lambda: sys.executable, replace=True, annotation_validation="off")

@@ -162,7 +162,8 @@ def _rdb(url: str, heartbeat_interval: int | None, grace_period: int | None) -> 
                 # Workers starting together race to create Optuna's tables ("table studies already
                 # exists", a unique violation on PostgreSQL's catalog): the loser retries and finds them.
                 last = e
-                if "already exists" in str(e) or "UniqueViolation" in str(e) or "locked" in str(e):
+                if any(w in str(e) for w in ("already exists", "UniqueViolation", "UNIQUE constraint", "locked",
+                                              "duplicate key")):
                     time.sleep(0.2 * (attempt + 1))
                     continue
                 break

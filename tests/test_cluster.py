@@ -1,0 +1,176 @@
+"""Cluster-ready studies: storages a user names, several workers on one study, parallel waves.
+
+The concurrency tests start 4 real tuner processes (`python -m zenithtune -m`) on one storage, against
+the simulator paced by --sim-time-scale so their trials overlap, and check what a user would: every
+worker exits 0, the study holds n_trials measurements (+ at most 3 in flight), no candidate was
+launched twice, nothing was lost, and every worker reports the same best."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from zenithtune import study as zstudy
+from zenithtune.errors import UserError
+
+WORKERS = 4
+N_TRIALS = 6
+
+
+def zt_popen(cwd: Path, *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENITHTUNE_")}
+    return subprocess.Popen([sys.executable, "-m", "zenithtune", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+# --- storages a user names --------------------------------------------------------------------------
+def test_storage_forms_are_parsed_in_one_place(tmp_path):
+    assert zstudy.storage_url(tmp_path / "x.db") == f"sqlite:///{tmp_path / 'x.db'}"
+    assert zstudy.storage_url(f"{tmp_path}/") == f"sqlite:///{tmp_path / 'study.db'}"
+    assert zstudy.storage_url(f"journal:{tmp_path}/s.journal") == f"journal:{tmp_path}/s.journal"
+    assert zstudy.journal_path(zstudy.storage_url("journal:rel.journal")) == Path("rel.journal").resolve()
+    assert zstudy.where("postgresql://tuner:secret@db:5432/zt") == "postgresql://tuner:***@db:5432/zt"
+
+
+@pytest.mark.parametrize("url, says", [
+    ("foo://x", "is not a storage URL zenithtune can open"),
+    ("journal:", "names no file"),
+    ("journal:/no/such/folder/s.journal", "does not exist"),
+    ("postgresql://u:p@127.0.0.1:1/zt", "cannot open storage postgresql://u:***@127.0.0.1:1/zt"),
+])
+def test_a_storage_that_cannot_be_opened_is_one_line(url, says):
+    with pytest.raises(UserError) as e:
+        zstudy.open_study(zstudy.storage_url(url), "zt", "maximize")
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unreachable_server_exits_with_one_line(tmp_path):
+    p = zt_popen(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=2", "storage=postgresql://u:p@127.0.0.1:1/zt")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("zenithtune: error: cannot open storage postgresql://u:***@")
+
+
+# --- liveness and claims, in one process -----------------------------------------------------------
+def test_only_trials_of_dead_workers_are_failed(tmp_path):
+    url = zstudy.storage_url(tmp_path / "s.db")
+    study = zstudy.open_study(url, "zt", "maximize", heartbeat_interval=1, grace_period=2)
+    live, dead = zstudy.Liveness(study, 1, 2), zstudy.Liveness(study, 1, 2)
+    a, b = study.ask(), study.ask()
+    for t in (a, b):
+        t.set_user_attr("launched", True)
+    live.hold(a)
+    dead.hold(b)
+    dead.stop()  # its worker dies: no more beats
+    dead.release(b.number)
+    time.sleep(3.5)
+    assert live.fail_stale() == [b.number]
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {a.number: TrialState.RUNNING, b.number: TrialState.FAIL}
+    live.stop()
+    # the dead worker's trial reads as interrupted: it measured nothing and may be retried
+    from zenithtune.record import outcome_of
+    assert outcome_of(study.get_trials()[b.number]).kind == "interrupted"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal", "memory"])
+def test_a_candidate_is_claimed_once(tmp_path, kind):
+    url = {"sqlite": zstudy.storage_url(tmp_path / "s.db"), "journal": f"journal:{tmp_path}/s.journal"}.get(kind)
+    study = zstudy.open_study(url, "zt", "maximize") if url else optuna.create_study()
+    first, second = zstudy.Claims(study), zstudy.Claims(study)  # two workers
+    key = zstudy.claim_key((("tp", 2), ("pp", 1)))
+    assert first.claim(key, 0, dead=lambda n: False) is None
+    if kind != "memory":  # one process's memory is not shared
+        assert second.claim(key, 1, dead=lambda n: False) == 0
+        assert second.claim(key, 2, dead=lambda n: n == 0) is None  # trial 0 was interrupted: taken over
+        assert first.claim(key, 3, dead=lambda n: False) == 2
+
+
+# --- 4 workers, one study ----------------------------------------------------------------------------
+def _postgres(tmp_path: Path) -> str:
+    """A throw-away PostgreSQL server (initdb + pg_ctl, as the postgres user when run as root)."""
+    binaries = [shutil.which("initdb")] + sorted(str(p) for p in Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    initdb = next((b for b in binaries if b), None)
+    if initdb is None:
+        pytest.skip("PostgreSQL is not installed (initdb not found; .ci/run installs Debian's postgresql)")
+    bindir = Path(initdb).parent
+    data = tmp_path / "pg"
+    data.mkdir()
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses root
+        if shutil.which("runuser") is None:
+            pytest.skip("running as root and runuser is missing: cannot start PostgreSQL as another user")
+        shutil.chown(data, "postgres")
+        os.chmod(tmp_path, 0o755)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run(as_user + [str(bindir / "initdb"), "-D", str(data), "-U", "zt", "--auth=trust"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"PostgreSQL's initdb failed here: {r.stderr.strip().splitlines()[-1:]}")
+    r = subprocess.run(as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-w", "-l", str(data / "log"),
+                                  "-o", f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"PostgreSQL did not start: {r.stdout.strip()[-300:]}")
+    subprocess.run(as_user + [str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "zt", "zt"],
+                   check=True, capture_output=True)
+    _postgres.stop = as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]  # type: ignore[attr-defined]
+    return f"postgresql://zt@127.0.0.1:{port}/zt"
+
+
+@pytest.fixture
+def storage(request, tmp_path):
+    kind = request.param
+    if kind == "sqlite":
+        yield str(tmp_path / "shared" / "study.db")
+    elif kind == "journal":
+        (tmp_path / "shared").mkdir()
+        yield f"journal:{tmp_path / 'shared' / 'study.journal'}"
+    else:
+        pytest.importorskip("psycopg", reason="pip install 'zenithtune[cluster]' for PostgreSQL")
+        url = _postgres(tmp_path)
+        yield url
+        subprocess.run(_postgres.stop, capture_output=True)  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", ["sqlite", "journal", "postgres"], indirect=True)
+def test_four_workers_share_one_study(tmp_path, storage):
+    args = ["-m", "n_gpus=8", "gbs=64", "strategy=grid", f"n_trials={N_TRIALS}", f"storage={storage}",
+            "heartbeat_interval=1", "heartbeat_grace=30", "--", sys.executable, "-m", "zenithtune.sim",
+            "--num-layers=32", "--hidden-size=4096", "--ffn-hidden-size=14336", "--num-attention-heads=32",
+            "--group-query-attention", "--num-query-groups=8", "--seq-length=8192", "--max-position-embeddings=8192",
+            "--vocab-size=128256", "--swiglu", "--disable-bias-linear", "--micro-batch-size=1",
+            "--global-batch-size=64", "--train-iters=10", "--bf16", "--use-distributed-optimizer",
+            "--log-throughput", "--sim-world-size=8", "--sim-time-scale=0.02"]
+    procs = [zt_popen(tmp_path, *args) for _ in range(WORKERS)]
+    results = [p.communicate(timeout=400) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+        assert "Traceback" not in err
+    study = optuna.load_study(study_name="zenithtune", storage=zstudy.open_storage(zstudy.storage_url(storage)))
+    trials = study.get_trials()
+    launched = [t for t in trials if t.user_attrs.get("launched")]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert N_TRIALS <= len(complete) <= N_TRIALS + WORKERS - 1, [t.state for t in launched]
+    assert all(t.state != TrialState.RUNNING for t in trials)
+    keys = [json.dumps(t.user_attrs["candidate"], sort_keys=True) for t in launched]
+    assert len(keys) == len(set(keys)), "a candidate was launched twice"
+    assert len(complete) == len(launched), "a launched trial lost its result"
+    # every worker reports the same, final best
+    best_lines = {next(line for line in out.splitlines() if line.startswith("best: trial")) for out, _ in results}
+    top = max(complete, key=lambda t: t.value)
+    assert len(best_lines) == 1 and best_lines.pop().startswith(f"best: trial {top.number} "), best_lines
