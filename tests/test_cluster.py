@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,31 +104,35 @@ def _postgres(tmp_path: Path) -> str:
     initdb = next((b for b in binaries if b), None)
     if initdb is None:
         pytest.skip("PostgreSQL is not installed (initdb not found; .ci/run installs Debian's postgresql)")
-    bindir = Path(initdb).parent
-    data = tmp_path / "pg"
-    data.mkdir()
+    bindir = Path(initdb).resolve().parent  # /usr/local/bin holds links to some of them only
     as_user: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses root
+    if os.geteuid() == 0:  # initdb refuses root; pytest's tmp_path is private to root
         if shutil.which("runuser") is None:
             pytest.skip("running as root and runuser is missing: cannot start PostgreSQL as another user")
+        data = Path(tempfile.mkdtemp(prefix="zenithtune-pg-"))
         shutil.chown(data, "postgres")
-        os.chmod(tmp_path, 0o755)
         as_user = ["runuser", "-u", "postgres", "--"]
+    else:
+        data = tmp_path / "pg"
+        data.mkdir()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     r = subprocess.run(as_user + [str(bindir / "initdb"), "-D", str(data), "-U", "zt", "--auth=trust"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, cwd="/")
     if r.returncode:
         pytest.skip(f"PostgreSQL's initdb failed here: {r.stderr.strip().splitlines()[-1:]}")
     r = subprocess.run(as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-w", "-l", str(data / "log"),
                                   "-o", f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, cwd="/")
     if r.returncode:
         pytest.skip(f"PostgreSQL did not start: {r.stdout.strip()[-300:]}")
-    subprocess.run(as_user + [str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "zt", "zt"],
-                   check=True, capture_output=True)
-    _postgres.stop = as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]  # type: ignore[attr-defined]
+    _postgres.stop = (as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], data)  # type: ignore[attr-defined]
+    r = subprocess.run(as_user + [str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "zt", "zt"],
+                       capture_output=True, text=True, cwd="/")
+    if r.returncode:
+        subprocess.run(_postgres.stop[0], capture_output=True, cwd="/")  # type: ignore[attr-defined]
+        pytest.fail(f"PostgreSQL started but createdb failed: {r.stderr.strip()}")
     return f"postgresql://zt@127.0.0.1:{port}/zt"
 
 
@@ -143,7 +148,9 @@ def storage(request, tmp_path):
         pytest.importorskip("psycopg", reason="pip install 'zenithtune[cluster]' for PostgreSQL")
         url = _postgres(tmp_path)
         yield url
-        subprocess.run(_postgres.stop, capture_output=True)  # type: ignore[attr-defined]
+        stop, data = _postgres.stop  # type: ignore[attr-defined]
+        subprocess.run(stop, capture_output=True, cwd="/")
+        shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.mark.slow
