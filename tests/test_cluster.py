@@ -181,3 +181,59 @@ def test_four_workers_share_one_study(tmp_path, storage):
     best_lines = {next(line for line in out.splitlines() if line.startswith("best: trial")) for out, _ in results}
     top = max(complete, key=lambda t: t.value)
     assert len(best_lines) == 1 and best_lines.pop().startswith(f"best: trial {top.number} "), best_lines
+
+
+# --- trials as Slurm jobs -----------------------------------------------------------------------------
+@pytest.mark.parametrize("n_gpus, timeout, nodes, gpus, minutes", [
+    (16, 900, 2, 8, 25), (4, None, 1, 4, 1440), (64, 60, 8, 8, 11)])
+def test_slurm_launcher_sizes_one_trial_job(n_gpus, timeout, nodes, gpus, minutes):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install 'zenithtune[cluster]'")
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="zenithtune.conf", version_base=None):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", f"n_gpus={n_gpus}", "gbs=128",
+                                           f"timeout={timeout if timeout else 'null'}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == \
+        (nodes, gpus, 1, minutes)
+
+
+TRAINER = '''
+import os, signal, sys, time
+slot = 0
+while True:  # the first trial to start runs fine, the second past its timeout, the third is cancelled
+    try:
+        os.close(os.open(os.path.join(os.path.dirname(__file__), f"slot{slot}"), os.O_CREAT | os.O_EXCL))
+        break
+    except FileExistsError:
+        slot += 1
+if slot == 2:  # its job is cancelled under it (scancel; here: the job process is killed)
+    os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(60)
+if slot == 1:
+    time.sleep(60)
+print(" iteration 3/3 | elapsed time per iteration (ms): 100.0 | throughput per GPU (TFLOP/s/GPU): "
+      "101.0 | global batch size:     8 |", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_trials_as_submitit_jobs_including_a_cancelled_and_a_timed_out_one(tmp_path):
+    """submitit's local executor runs the code path of Slurm (pickled job, job folder, results)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install 'zenithtune[cluster]'")
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    p = zt_popen(tmp_path, "-m", "hydra/launcher=submitit_local", "n_gpus=4", "gbs=8", "strategy=grid",
+                 "n_trials=3", "parallel_trials=3", "timeout=8", "fail_fast=0",
+                 "--", sys.executable, str(tmp_path / "trainer.py"))
+    out, err = p.communicate(timeout=400)
+    assert p.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    study = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{next((tmp_path / 'outputs').glob('study_*/study.db'))}")
+    launched = {t.user_attrs.get("kind"): t for t in study.get_trials() if t.user_attrs.get("launched")}
+    assert set(launched) == {None, "timeout", "crash"}, [t.user_attrs for t in study.get_trials()]
+    ok, cancelled = launched[None], launched["crash"]
+    assert ok.state == TrialState.COMPLETE and ok.value == 101.0
+    assert Path(ok.user_attrs["log"]).parent.name == f"trial_{ok.number}"
+    assert cancelled.state == TrialState.FAIL and "the launcher lost the job" in cancelled.user_attrs["reasons"][0]
+    assert "best: trial" in out
