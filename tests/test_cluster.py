@@ -165,7 +165,7 @@ def test_four_workers_share_one_study(tmp_path, storage):
             "--log-throughput", "--sim-world-size=8", "--sim-time-scale=0.02"]
     procs = [zt_popen(tmp_path, *args) for _ in range(WORKERS)]
     results = [p.communicate(timeout=400) for p in procs]
-    for p, (out, err) in zip(procs, results):
+    for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
         assert "Traceback" not in err
     study = optuna.load_study(study_name="zenithtune", storage=zstudy.open_storage(zstudy.storage_url(storage)))
@@ -229,7 +229,8 @@ def test_trials_as_submitit_jobs_including_a_cancelled_and_a_timed_out_one(tmp_p
     out, err = p.communicate(timeout=400)
     assert p.returncode == 0, err[-3000:]
     assert "Traceback" not in err
-    study = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{next((tmp_path / 'outputs').glob('study_*/study.db'))}")
+    db = next((tmp_path / "outputs").glob("study_*/study.db"))
+    study = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{db}")
     launched = {t.user_attrs.get("kind"): t for t in study.get_trials() if t.user_attrs.get("launched")}
     assert set(launched) == {None, "timeout", "crash"}, [t.user_attrs for t in study.get_trials()]
     ok, cancelled = launched[None], launched["crash"]
