@@ -1,30 +1,54 @@
 """The study loop, independent of how a trial is launched.
 
-propose (strategy) -> sample what is left open (Optuna ask) -> screen (rules, predicted OOM, already
-measured) -> launch -> record (Optuna tell) -> tell the strategy and the job.
-Screened-out proposals are recorded as PRUNED, never launched, and do not count against n_trials.
+One wave: learn what other workers measured -> propose up to `parallel` candidates (strategy) ->
+sample what is left open (Optuna ask) -> screen (rules, predicted OOM, already measured) -> claim
+(no other worker launches it) -> launch the wave together -> record (Optuna tell) -> tell the
+strategy and the job. Screened-out proposals are recorded as PRUNED, never launched, and do not
+count against n_trials. n_trials counts the whole study (every worker sharing the storage), re-read
+right before each launch.
 
-The zenithtune Hydra sweeper launches through the Hydra launcher; the benchmark launches the
+The zenithtune Hydra sweeper launches a wave through the Hydra launcher (one `launch` call: the
+basic launcher runs it in turn, submitit as parallel Slurm jobs); the benchmark launches the
 simulator in-process. Both run this same loop.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+import warnings
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
 
 from zenithtune import record, traits
+from zenithtune import study as zstudy
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
 from zenithtune.strategies import Proposal
 
-__all__ = ["Callbacks", "LaunchFn", "Launched", "StudyLoop"]
+__all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "StudyLoop"]
 
 LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, candidate, timeout) -> result
+
+
+@dataclass
+class Pending:
+    """A screened, claimed candidate about to be launched in this wave."""
+
+    trial: optuna.Trial
+    cand: dict
+    proposal: Proposal
+    limit: float | None  # its time limit
+    n: int  # its place in the study's budget (1..n_trials)
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+
+LaunchBatchFn = Callable[[list[Pending]], list[Launched]]  # one wave -> one result per trial, in order
 
 
 class Callbacks:
@@ -36,22 +60,36 @@ class Callbacks:
 
 
 class StudyLoop:
-    def __init__(self, job: Job, study: optuna.Study, launch: LaunchFn, callbacks: Callbacks | None = None,
-                 max_consecutive_skips: int = 300):
+    def __init__(self, job: Job, study: optuna.Study, launch: LaunchFn | None = None,
+                 callbacks: Callbacks | None = None, max_consecutive_skips: int = 300, *,
+                 launch_batch: LaunchBatchFn | None = None, parallel: int = 1,
+                 liveness: zstudy.Liveness | None = None):
+        if launch is None and launch_batch is None:
+            raise TypeError("StudyLoop needs launch or launch_batch")
         self.job = job
         self.study = study
         self.launch = launch
+        self.launch_batch = launch_batch or self._one_by_one
+        self.parallel = max(1, int(parallel))
         self.cb = callbacks or Callbacks()
         self.max_consecutive_skips = max_consecutive_skips
+        # Shared studies: liveness beats for our running trials; claims keep workers from launching
+        # the same candidate twice.
+        self.liveness = liveness
+        self.claims = zstudy.Claims(study)
         self.measured: dict[tuple, Outcome] = {}
         self.outcomes: list[Outcome] = []
         self.durations: list[float] = []  # successful trials' wall times (dynamic timeouts)
         self.refused: list[traits.Trait] = []  # features the trainer refused: candidates carrying one are pruned
+        self.waves = 0
+        self._known: set[int] = set()  # trial numbers the strategy has been told about
+        self._open: dict[int, optuna.Trial] = {}  # asked here, not yet told
 
     def start(self, prior: list[Outcome]) -> None:
         """Hand the strategy and the job what a resumed study already knows."""
         # An interrupted trial (Ctrl-C, or the tuner died) measured nothing: the strategy does not see
         # it and the duplicate check does not count it, so the candidate may be launched again.
+        self._known |= {o.trial_number for o in prior if o.trial_number is not None}
         prior = [o for o in prior if o.kind != FailureKind.INTERRUPTED.value]
         strategy = self.job.strategy
         strategy.direction = self.job.evaluator.direction
@@ -69,6 +107,26 @@ class StudyLoop:
             if o.ok and o.duration:
                 self.durations.append(float(o.duration))
 
+    def _sync(self) -> None:
+        """Tell the strategy what other workers measured since the last wave (a shared study)."""
+        if self.liveness is None:
+            return
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+            if t.number in self._known or t.number in self._open:
+                continue
+            o = record.outcome_of(t)
+            if o is None or not o.launched or o.kind == FailureKind.INTERRUPTED.value:
+                continue  # still beating elsewhere, or measured nothing
+            self._known.add(t.number)
+            self._learn(o)
+            self.job.strategy.tell(o)
+
+    def _used(self, launched_here: int) -> int:
+        """Budget used by the whole study: with a shared storage, recounted from it."""
+        if self.liveness is None:
+            return launched_here
+        return zstudy.budget_in_use(self.study)
+
     def run(self, n_trials: int, launched: int = 0, fail_fast: int = 0) -> str:
         """Propose and launch until n_trials are launched in all; returns why it stopped.
 
@@ -76,31 +134,84 @@ class StudyLoop:
         should cost k trials, not n_trials."""
         strategy = self.job.strategy
         skips = 0
-        while launched < n_trials:
-            proposal = strategy.ask()
-            if proposal is None:
-                return "strategy exhausted"
-            trial, cand = self._ask(proposal)
-            outcome = self._screen(trial, cand, proposal)
-            if outcome is not None:
-                self.outcomes.append(outcome)
-                strategy.tell(outcome)
-                self.cb.skipped(outcome)
-                skips += 1
-                if self.max_consecutive_skips and skips >= self.max_consecutive_skips:
-                    return (f"{skips} proposals in a row could not be launched "
-                            f"(invalid, predicted OOM or already measured)")
-                continue
-            skips = 0
-            launched += 1
-            outcome = self._launch(trial, cand, proposal, launched)
-            self.outcomes.append(outcome)
-            self._learn(outcome)
-            strategy.tell(outcome)
-            self.cb.result(outcome, launched)
-            if fail_fast and launched == fail_fast and not any(o.ok for o in self.measured.values()):
+        first_used: int | None = None
+        while True:
+            if self.liveness is not None:
+                self.liveness.fail_stale()
+            self._sync()
+            used = self._used(launched)
+            first_used = used if first_used is None else first_used
+            if used >= n_trials:
+                return f"n_trials={n_trials} launched"
+            # only when this run's launches reached the k-th (a resumed study is given its chance)
+            if fail_fast and first_used < fail_fast <= used and not any(o.ok for o in self.measured.values()):
                 return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
-        return f"n_trials={n_trials} launched"
+            wave: list[Pending] = []
+            exhausted = False
+            width = 1 if strategy.sequential else self.parallel
+            while len(wave) < min(width, n_trials - used):
+                proposal = strategy.ask()
+                if proposal is None:
+                    exhausted = True
+                    break
+                trial, cand = self._ask(proposal)
+                outcome = self._screen(trial, cand, proposal)
+                if outcome is None:
+                    outcome = self._claim(trial, cand, proposal)
+                if outcome is not None:
+                    self.outcomes.append(outcome)
+                    strategy.tell(outcome)
+                    self.cb.skipped(outcome)
+                    skips += 1
+                    if self.max_consecutive_skips and skips >= self.max_consecutive_skips:
+                        self._abandon_wave(wave)
+                        return (f"{skips} proposals in a row could not be launched "
+                                f"(invalid, predicted OOM or already measured)")
+                    continue
+                skips = 0
+                # A shared study: another worker may have launched since the count above.
+                if len(wave) == 0 and self.liveness is not None:
+                    used = self._used(launched)
+                    if used >= n_trials:
+                        self._abandon_wave([Pending(trial, cand, proposal, None, 0)])
+                        return f"n_trials={n_trials} launched"
+                trial.set_user_attr(Attr.LAUNCHED, True)
+                strategy.pending.append(cand)  # the next ask() proposes something else
+                wave.append(Pending(trial, cand, proposal, self.job.timeouts.limit(self.durations),
+                                    n=used + len(wave) + 1))
+            if not wave:
+                if exhausted:
+                    return "strategy exhausted"
+                continue
+            strategy.pending.clear()
+            launched += len(wave)
+            self._launch_wave(wave)  # an exhausted strategy may have more to say once it knows the results
+
+    def abandon(self) -> None:
+        """Close what this worker asked but did not tell (Ctrl-C, an error): launched ones are
+        recorded as interrupted, the rest as pruned."""
+        for number, trial in list(self._open.items()):
+            launched = bool(trial.user_attrs.get(Attr.LAUNCHED)) if hasattr(trial, "user_attrs") else False
+            try:
+                self.study.tell(trial, state=TrialState.FAIL if launched else TrialState.PRUNED, skip_if_finished=True)
+            except Exception:  # noqa: BLE001  the storage may be what failed; liveness will catch it later
+                pass
+            self._close(number)
+        if self.liveness is not None:
+            self.liveness.stop()
+
+    def _abandon_wave(self, wave: list[Pending]) -> None:
+        for p in wave:
+            p.trial.set_user_attr(Attr.REASONS, ["not launched: the study's budget was used by other workers"])
+            self.study.tell(p.trial, state=TrialState.PRUNED)
+            self._close(p.number)
+        self.job.strategy.pending.clear()
+
+    def _close(self, number: int) -> None:
+        self._open.pop(number, None)
+        self._known.add(number)
+        if self.liveness is not None:
+            self.liveness.release(number)
 
     def _refusal(self, o: Outcome) -> traits.Trait | None:
         """The injected features a failed launch's message says the trainer refused."""
@@ -113,11 +224,25 @@ class StudyLoop:
     def _ask(self, proposal: Proposal) -> tuple[optuna.Trial, dict]:
         space = self.job.space
         fixed = space.normalize(proposal.fixed) if proposal.fixed else {}
+        # Fixed values go through this worker's sampler, not the study's queue: an enqueued trial
+        # could be popped by another worker's ask().
+        base = self.study.sampler
         if fixed:
-            self.study.enqueue_trial(fixed, skip_if_exists=False)
-        trial = self.study.ask()
-        names = None if proposal.sample is None else tuple(proposal.sample) + tuple(fixed)
-        cand = space.suggest(trial, names=names)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, base)
+        try:
+            with warnings.catch_warnings():
+                # Optuna says its heartbeat is meant for Study.optimize: Liveness beats for ask/tell trials
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                trial = self.study.ask()
+            self._open[trial.number] = trial
+            if self.liveness is not None:
+                self.liveness.hold(trial)
+            names = None if proposal.sample is None else tuple(proposal.sample) + tuple(fixed)
+            cand = space.suggest(trial, names=names)
+        finally:
+            self.study.sampler = base
         if proposal.complete is not None:
             cand = space.normalize({**proposal.complete(dict(cand)), **cand})
         trial.set_user_attr(Attr.CANDIDATE, cand)
@@ -146,42 +271,88 @@ class StudyLoop:
             trial.set_user_attr(Attr.DUPLICATE_OF, dup.trial_number)
         if not broken:
             return None
+        return self._prune(trial, cand, proposal, broken, predicted)
+
+    def _prune(self, trial: optuna.Trial, cand: dict, proposal: Proposal, broken: list[tuple[str, str]],
+               predicted: float | None) -> Outcome:
         outcome = Outcome(candidate=cand, state="pruned", reasons=[w for _, w in broken], rules=[r for r, _ in broken],
                           predicted_gb=predicted, trial_number=trial.number, stage=proposal.stage, why=proposal.why)
         record.store(trial, outcome)
         self.study.tell(trial, state=TrialState.PRUNED)
+        self._close(trial.number)
         return outcome
 
-    def _launch(self, trial: optuna.Trial, cand: dict, proposal: Proposal, n: int) -> Outcome:
-        trial.set_user_attr(Attr.LAUNCHED, True)
-        self.cb.launching(trial.number, cand, proposal.why, n)
+    def _claim(self, trial: optuna.Trial, cand: dict, proposal: Proposal) -> Outcome | None:
+        """Claim the candidate for this trial in the storage; a duplicate outcome if another holds it."""
+        held = self.claims.claim(zstudy.claim_key(self.job.space.key(cand)), trial.number, self._measured_nothing)
+        if held is None or held == trial.number:
+            return None
+        trial.set_user_attr(Attr.DUPLICATE_OF, held)
+        return self._prune(trial, cand, proposal, [("duplicate", f"claimed by trial {held} (another worker)")],
+                           trial.user_attrs.get(Attr.PREDICTED_GB))
+
+    def _measured_nothing(self, number: int) -> bool:
+        """Trial `number` ended without a measurement a claim should protect (interrupted, or never
+        launched): its candidate may be launched again."""
+        for t in self.study.get_trials(deepcopy=False):
+            if t.number == number:
+                if t.state == TrialState.RUNNING:
+                    return False
+                o = record.outcome_of(t)
+                return o is not None and (not o.launched or o.kind == FailureKind.INTERRUPTED.value)
+        return True
+
+    # --- one wave ----------------------------------------------------------------------------------
+    def _one_by_one(self, wave: list[Pending]) -> list[Launched]:
+        assert self.launch is not None
+        return [self.launch(p.number, p.cand, p.limit) for p in wave]
+
+    def _launch_wave(self, wave: list[Pending]) -> None:
+        self.waves += 1
+        if len(wave) == 1:
+            p = wave[0]
+            self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
         started = time.time()
-        limit = self.job.timeouts.limit(self.durations)
-        outcome = Outcome(candidate=cand, state="failed", launched=True, trial_number=trial.number,
-                          predicted_gb=trial.user_attrs.get(Attr.PREDICTED_GB), stage=proposal.stage,
-                          probe=Attr.MEMORY_PROBE in trial.user_attrs, why=proposal.why,
-                          timeout=None if limit is None else round(limit, 1))
         try:
-            res = self.launch(trial.number, cand, limit)
+            results = self.launch_batch(wave)
         except KeyboardInterrupt:
-            outcome = replace(outcome, kind=FailureKind.INTERRUPTED.value, duration=time.time() - started,
-                              reasons=["interrupted by the user (Ctrl-C)"])
-            record.store(trial, outcome)
-            self.study.tell(trial, state=TrialState.FAIL)
+            for p in wave:
+                outcome = replace(self._base(p), kind=FailureKind.INTERRUPTED.value, duration=time.time() - started,
+                                  reasons=["interrupted by the user (Ctrl-C)"])
+                record.store(p.trial, outcome)
+                self.study.tell(p.trial, state=TrialState.FAIL)
+                self._close(p.number)
             raise
-        outcome = replace(outcome, duration=res.duration if res.duration is not None else time.time() - started,
+        for p, res in zip(wave, results):
+            if len(wave) > 1:
+                self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
+            outcome = self._record(p, res, started)
+            self.outcomes.append(outcome)
+            self._learn(outcome)
+            self.job.strategy.tell(outcome)
+            self.cb.result(outcome, p.n)
+
+    def _base(self, p: Pending) -> Outcome:
+        return Outcome(candidate=p.cand, state="failed", launched=True, trial_number=p.number,
+                       predicted_gb=p.trial.user_attrs.get(Attr.PREDICTED_GB), stage=p.proposal.stage,
+                       probe=Attr.MEMORY_PROBE in p.trial.user_attrs, why=p.proposal.why,
+                       timeout=None if p.limit is None else round(p.limit, 1))
+
+    def _record(self, p: Pending, res: Launched, started: float) -> Outcome:
+        outcome = replace(self._base(p), duration=res.duration if res.duration is not None else time.time() - started,
                           measured_gb=res.measured_gb, argv=res.argv, env=res.env, log=res.log)
         if res.value is not None:
             outcome = replace(outcome, state="complete", value=float(res.value))
-            record.store(trial, outcome)
-            self.study.tell(trial, outcome.value)
-            return outcome
-        reason = res.reason
-        if res.kind == FailureKind.TIMEOUT.value and self.job.timeouts.is_dynamic_cut(limit):
-            reason = f"cut at the dynamic limit {limit:.1f} s (from the fastest success): {reason}"
-        outcome = replace(outcome, kind=res.kind or FailureKind.CRASH.value, reasons=[reason])
-        if self._refusal(outcome) is not None:  # a trait of the configuration, not bad luck
-            outcome = replace(outcome, kind=FailureKind.INVALID_ARGS.value)
-        record.store(trial, outcome)
-        self.study.tell(trial, state=TrialState.FAIL)
+            record.store(p.trial, outcome)
+            self.study.tell(p.trial, outcome.value, skip_if_finished=True)
+        else:
+            reason = res.reason
+            if res.kind == FailureKind.TIMEOUT.value and self.job.timeouts.is_dynamic_cut(p.limit):
+                reason = f"cut at the dynamic limit {p.limit:.1f} s (from the fastest success): {reason}"
+            outcome = replace(outcome, kind=res.kind or FailureKind.CRASH.value, reasons=[reason])
+            if self._refusal(outcome) is not None:  # a trait of the configuration, not bad luck
+                outcome = replace(outcome, kind=FailureKind.INVALID_ARGS.value)
+            record.store(p.trial, outcome)
+            self.study.tell(p.trial, state=TrialState.FAIL, skip_if_finished=True)
+        self._close(p.number)
         return outcome

@@ -51,6 +51,10 @@ def _started(pattern: str) -> str:
 
 
 OmegaConf.register_resolver("zt.started", _started, replace=True, annotation_validation="off")
+# With the microseconds of ${zt.started:...%f}, the pid makes a study folder this process's own: two
+# studies started in the same second (or on two hosts sharing outputs/) never share a study.db. A
+# launcher's job process composes its config anew; the sweeper passes it the resolved folder.
+OmegaConf.register_resolver("zt.pid", lambda: str(os.getpid()), replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.mkdir", _mkdir, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.python", lambda: sys.executable, replace=True, annotation_validation="off")
 
@@ -64,3 +68,28 @@ def _tuned_names() -> str:
 
 
 OmegaConf.register_resolver("zt.tuned_names", _tuned_names, replace=True, annotation_validation="off")
+
+
+# --- conf/hydra/launcher/slurm.yaml: one trial's allocation, from the study's own keys ---------------
+def _nodes(n_gpus: int, gpus_per_node: int) -> int:
+    """Nodes one trial needs: n_gpus spread over full nodes (a partial node for n_gpus < gpus_per_node)."""
+    return max(1, -(-int(n_gpus) // int(gpus_per_node)))
+
+
+def _node_gpus(n_gpus: int, gpus_per_node: int) -> int:
+    """GPUs to request per node: all of a node, or n_gpus when one trial needs less than a node."""
+    return min(int(n_gpus), int(gpus_per_node))
+
+
+def _job_minutes(timeout: Any, margin_min: int = 10, unlimited_min: int = 24 * 60) -> int:
+    """Slurm's time limit for a trial job: the trial's own timeout (which ends the command cleanly and
+    records the trial as `timeout`) plus a margin for start-up and the allocation, so Slurm's kill is
+    only the backstop. No timeout: `unlimited_min`."""
+    if timeout is None or timeout == "None":
+        return int(unlimited_min)
+    return int(-(-float(timeout) // 60)) + int(margin_min)
+
+
+OmegaConf.register_resolver("zt.nodes", _nodes, replace=True, annotation_validation="off")
+OmegaConf.register_resolver("zt.node_gpus", _node_gpus, replace=True, annotation_validation="off")
+OmegaConf.register_resolver("zt.job_minutes", _job_minutes, replace=True, annotation_validation="off")

@@ -51,6 +51,9 @@ class ZenithtuneConf:
     timeout_dynamic_factor: float = MISSING
     timeout_dynamic_floor: float = MISSING
     storage: Optional[str] = None  # Optuna storage URL or a study.db path; None = <sweep dir>/study.db
+    parallel_trials: int = 1  # trials launched together per wave
+    heartbeat_interval: int = 10  # seconds between beats for a worker's running trials
+    heartbeat_grace: int = 60  # a running trial not beaten for this long is failed (its worker died)
     study_name: str = MISSING
     save_tuned: Optional[str] = None  # also write conf/tuned/<name>.yaml
     echo: bool = MISSING  # stream each trial's output to the console
@@ -149,6 +152,12 @@ def check(conf: ZenithtuneConf) -> None:
     _positive(conf, "n_trials", "n_trials=50")
     _positive(conf, "fail_fast", "fail_fast=5", zero_ok=True)
     _positive(conf, "stage1_trials", "stage1_trials=30")
+    _positive(conf, "parallel_trials", "parallel_trials=4")
+    _positive(conf, "heartbeat_interval", "heartbeat_interval=10")
+    _positive(conf, "heartbeat_grace", "heartbeat_grace=60")
+    if conf.heartbeat_grace <= conf.heartbeat_interval:
+        raise UserError(f"heartbeat_grace={conf.heartbeat_grace} must be longer than heartbeat_interval="
+                        f"{conf.heartbeat_interval} (e.g. 6x), or a live worker's trials would be failed as stale")
     for key in ("num_layers", "num_query_groups", "seq_length"):
         if getattr(conf, key) is not None:
             _positive(conf, key, f"{key}=32 or leave it out")

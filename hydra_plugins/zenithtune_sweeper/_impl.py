@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
 from zenithtune.job import Job, build_job
-from zenithtune.loop import StudyLoop
-from zenithtune.overrides import key, resume_command, value
+from zenithtune.loop import Pending, StudyLoop
+from zenithtune.overrides import hydra_quote, key, resume_command, value
 from zenithtune.progress import Progress
-from zenithtune.record import TRIAL_INFO, Launched, Outcome
+from zenithtune.record import TRIAL_INFO, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
 from zenithtune.tuned import tuned_yaml
@@ -48,31 +49,48 @@ class StudyRunner:
     def _run(self, job: Job) -> Any:
         conf = job.conf
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        self.sweep_dir = sweep_dir
         url = zstudy.storage_url(conf.storage) if conf.storage else zstudy.default_storage(sweep_dir)
         db = zstudy.db_path(url)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
-        study = zstudy.open_study(url, conf.study_name, job.evaluator.direction, job.strategy.sampler())
+        study = zstudy.open_study(url, conf.study_name, job.evaluator.direction, job.strategy.sampler(),
+                                  heartbeat_interval=conf.heartbeat_interval, grace_period=conf.heartbeat_grace)
         if study.direction.name.lower() != job.evaluator.direction:
             raise UserError(f"study {conf.study_name!r} in {url} was created to {study.direction.name.lower()} but "
                             f"the evaluator wants to {job.evaluator.direction}: use a new storage")
-        stale = zstudy.close_stale(study)
+        # Only trials no live worker beats for are failed (a worker sharing the study keeps its own).
+        liveness = zstudy.Liveness(study, conf.heartbeat_interval, conf.heartbeat_grace)
+        stale = liveness.fail_stale() + zstudy.close_waiting(study)
         prior = record.history(study)
         self._remember(study, job, url)
         progress = Progress(total=conf.n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
         best = zstudy.best(prior, job.evaluator.direction)
         used = record.budget_used(prior)
         progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None, used=used)
-        loop = StudyLoop(job, study, self._launch, progress, self.max_consecutive_skips)
+        loop = StudyLoop(job, study, callbacks=progress, max_consecutive_skips=self.max_consecutive_skips,
+                         launch_batch=self._launch_wave, parallel=conf.parallel_trials, liveness=liveness)
         loop.start(prior)
         try:
             why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
+            self._await_others(study, liveness)
         except KeyboardInterrupt:
-            zstudy.close_stale(study)  # a proposal asked but not yet told (Ctrl-C between trials)
+            loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
             progress.interrupted(url, self._resume_hint(url))
             raise StudyInterrupted("") from None
+        finally:
+            liveness.stop()
         return self._finish(study, job, url, sweep_dir, progress, why)
+
+    @staticmethod
+    def _await_others(study: optuna.Study, liveness: zstudy.Liveness) -> None:
+        """Other workers sharing the study may still run trials: wait for them (or for their
+        workers to be found dead), so every worker reports the same, final best."""
+        while any(t.user_attrs.get(Attr.LAUNCHED)
+                  for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
+            time.sleep(min(1.0, liveness.interval))
+            liveness.fail_stale()
 
     def _remember(self, study: optuna.Study, job: Job, url: str) -> None:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
@@ -94,11 +112,39 @@ class StudyRunner:
         ov = self.config.hydra.overrides
         return resume_command(zstudy.where(url), list(ov.task), list(ov.hydra), environ_command())
 
-    def _launch(self, number: int, cand: dict, timeout: float | None) -> Launched:
-        overrides = list(self.arguments) + [f"++params.{k}={value(v)}" for k, v in cand.items()]
-        if timeout is not None:
-            overrides.append(f"timeout={timeout:.1f}")
-        ret = self.launcher.launch([overrides], initial_job_idx=number)[0]
+    def _launch_wave(self, wave: list[Pending]) -> list[Launched]:
+        """One wave through the selected hydra/launcher, in one call (submitit: K jobs at once). Each
+        trial's folder is trial_<its number>, whatever the launcher numbers its jobs."""
+        batch = []
+        for p in wave:
+            overrides = list(self.arguments) + [f"++params.{k}={value(v)}" for k, v in p.cand.items()]
+            if p.limit is not None:
+                overrides.append(f"timeout={p.limit:.1f}")
+            # resolved here: a launcher's job process composes the config anew (its own ${zt.started:})
+            overrides += [f"hydra.sweep.dir={hydra_quote(str(self.sweep_dir))}", f"hydra.sweep.subdir=trial_{p.number}"]
+            batch.append(overrides)
+        try:
+            rets = self.launcher.launch(batch, initial_job_idx=wave[0].number)
+        except KeyboardInterrupt:
+            raise
+        except Exception as err:  # noqa: BLE001  a launcher that lost a job (submitit: cancelled, killed at its time limit)
+            return [self._lost(p, err) for p in wave]
+        return [self._result(ret) for ret in rets]
+
+    def _lost(self, p: Pending, err: Exception) -> Launched:
+        """A trial whose job returned nothing (scancel, Slurm's time limit, a node failure): what its
+        entry function reported, if it got that far, else the launcher's reason."""
+        run = record.read_run(self.sweep_dir / f"trial_{p.number}" / TRIAL_INFO)
+        if run is not None and (run.value is not None or run.kind):
+            return run
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        state = "TIMEOUT" if "TIMEOUT" in str(err) else "CANCELLED" if "CANCEL" in str(err) else None
+        kind = FailureKind.TIMEOUT.value if state == "TIMEOUT" else FailureKind.CRASH.value
+        return Launched(None, kind, f"the launcher lost the job ({type(err).__name__}: {text})"
+                        + (f"; the job was {state.lower()}" if state else ""),
+                        log=str(self.sweep_dir / f"trial_{p.number}"))
+
+    def _result(self, ret: JobReturn) -> Launched:
         run = self._trial_run(ret) or Launched(None)
         if ret.status == JobStatus.COMPLETED:
             run.value, run.kind, run.reason = float(ret.return_value), None, ""
@@ -139,7 +185,7 @@ class StudyRunner:
                               "of memory (see the space report above); check gpu_memory_gb, n_gpus and gbs")
         where = zstudy.where(url)
         db = zstudy.db_path(url)
-        out = db.parent if db else sweep_dir
+        out = db.parent if db else sweep_dir  # a journal or a server: this worker's own study folder
         out.mkdir(parents=True, exist_ok=True)
         (out / "best.yaml").write_text(tuned_yaml(job, best, where, name=None))
         progress.wrote(out / "best.yaml")

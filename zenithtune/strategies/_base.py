@@ -12,6 +12,13 @@ Life of a strategy in a study (the zenithtune sweeper drives it):
    fixes some or all parameters; the sweeper samples the rest through the study's sampler, checks
    the candidate (structural rules, predicted OOM, already measured) and launches it or not.
 5. ``tell(outcome)`` — every proposal's `Outcome`, launched or not (hook; default: remember it).
+   In a study shared by several workers, also the outcomes other workers measured, as they come.
+
+Parallel trials (``parallel_trials: K``): the sweeper calls ``ask()`` up to K times before it launches
+the wave, and puts every candidate it will launch into ``pending`` until the wave's outcomes are told.
+``tried()`` counts pending candidates as tried, so each ask() proposes the next best one (the
+constant-liar idea: a candidate in flight is treated as known). A strategy whose next proposal depends
+on the last outcome sets ``sequential = True`` and is asked once per wave.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ class Strategy(ABC):
     """Base class of every search strategy (see the module docstring for its life)."""
 
     direction: Literal["maximize", "minimize"] = "maximize"
+    sequential: bool = False  # True: one proposal per wave (the next depends on the last outcome)
 
     def sampler(self) -> optuna.samplers.BaseSampler:
         import optuna
@@ -57,6 +65,7 @@ class Strategy(ABC):
         self.space = space
         self.memory = memory
         self.history: list[Outcome] = list(history)
+        self.pending: list[Candidate] = []  # proposed and about to be launched; outcomes not yet told
 
     @abstractmethod
     def ask(self) -> Proposal | None:
@@ -76,9 +85,13 @@ class Strategy(ABC):
         pick = max if self.direction == "maximize" else min
         return pick(done, key=lambda o: o.value)
 
+    def tried_keys(self) -> set[tuple]:
+        """Keys of every candidate told (launched or not) or pending in the current wave."""
+        return {self.space.key(o.candidate) for o in self.history} | \
+            {self.space.key(c) for c in getattr(self, "pending", ())}
+
     def tried(self, cand: Candidate) -> bool:
-        key = self.space.key(cand)
-        return any(self.space.key(o.candidate) == key for o in self.history)
+        return self.space.key(cand) in self.tried_keys()
 
     def predict_gb(self, cand: Candidate) -> float | None:
         """The study's memory prediction for a candidate (None without a memory model or shape)."""
@@ -90,7 +103,9 @@ class Strategy(ABC):
 def tpe_sampler(seed: int, n_startup_trials: int, multivariate: bool = True) -> optuna.samplers.BaseSampler:
     """Optuna's TPE for a conditional space (recompute_method exists only under full recompute):
     multivariate with `group`, which Optuna still marks experimental; its warning says nothing a
-    zenithtune user can act on, so it is silenced here."""
+    zenithtune user can act on, so it is silenced here. `constant_liar`: trials still running (a
+    parallel wave, other workers) count as bad results, so concurrent asks spread out instead of
+    proposing the same region K times."""
     import warnings
 
     import optuna
@@ -98,4 +113,5 @@ def tpe_sampler(seed: int, n_startup_trials: int, multivariate: bool = True) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials,
-                                          multivariate=multivariate, group=multivariate)
+                                          multivariate=multivariate, group=multivariate,
+                                          constant_liar=True)

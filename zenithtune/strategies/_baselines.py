@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
+from zenithtune.record import Outcome
 from zenithtune.strategies._base import Proposal, Strategy, tpe_sampler
 
 if TYPE_CHECKING:
@@ -51,14 +52,19 @@ class UpstreamStrategy(Strategy):
     kept, bug included: it takes DP = N/(tp·ep·etp) and so skips valid MoE layouts such as TP2·EP8 on
     8 GPUs. TP is capped at gpus_per_node (upstream tuned one node at a time)."""
 
+    sequential = True  # each step reads the last step's outcome: one proposal per wave
+
     def __init__(self, mbs_ladder: tuple[int, ...] = (1, 2, 4, 8)):
         self.mbs_ladder = tuple(int(b) for b in mbs_ladder)
         self._plan: Iterator[Proposal] | None = None
+        self._asked: tuple | None = None
 
     def ask(self) -> Proposal | None:
         if self._plan is None:
             self._plan = self._steps()
-        return next(self._plan, None)
+        proposal = next(self._plan, None)
+        self._asked = None if proposal is None else self.space.key(proposal.fixed)
+        return proposal
 
     # --- the plan, one proposal at a time (each resumes after its outcome was told) -----------------
     def _pow2(self, name: str, cap: int | None = None) -> list[int]:
@@ -74,8 +80,15 @@ class UpstreamStrategy(Strategy):
 
     def _last(self) -> bool:
         """Did the last proposal run? (A duplicate of a measured run counts as run.)"""
-        o = self.history[-1] if self.history else None
+        o = self._last_outcome()
         return o is not None and (o.ok or (o.state == "pruned" and o.rules == ["duplicate"]))
+
+    def _last_outcome(self) -> Outcome | None:
+        """The outcome of the last proposal (other workers' outcomes may have been told after it)."""
+        for o in reversed(self.history):
+            if self._asked is None or self.space.key(o.candidate) == self._asked:
+                return o
+        return None
 
     def _steps(self) -> Iterator[Proposal]:
         moe = self.space.ctx.model.is_moe
@@ -96,7 +109,8 @@ class UpstreamStrategy(Strategy):
                 yield Proposal(cand, why=f"upstream stage 1: tp={tp} (descending) x ep={ep} (ascending), mbs 1",
                                stage="upstream-1")
                 if self._last():
-                    o = self.history[-1]
+                    o = self._last_outcome()
+                    assert o is not None  # _last() found it
                     prev = best_ep.get(tp)
                     if prev is None or (o.value is not None and self._value(tp, prev) < o.value):
                         best_ep[tp] = ep

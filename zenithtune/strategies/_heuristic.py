@@ -189,7 +189,7 @@ class HeuristicStrategy(Strategy):
 
     # --- proposing ----------------------------------------------------------------------------------
     def ask(self) -> Proposal | None:
-        tried = {self.space.key(o.candidate) for o in self.history}
+        tried = self.tried_keys()  # told, or pending in this wave (parallel_trials): the next best
         ok = [o for o in self.history if o.ok]
         if not ok:
             return self._first(tried)
