@@ -9,10 +9,12 @@ of the run (exact argv, added env, duration, measured memory) land in `<trial di
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from zenithtune import signals
 from zenithtune.errors import UserError
 from zenithtune.evaluate import NoMetric, peak_memory_mb
 from zenithtune.inject import inject
@@ -63,7 +65,7 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     failure = classify(res)
     score = None
     if res.interrupted:
-        failure = (FailureKind.INTERRUPTED, "interrupted by the user (Ctrl-C)")
+        failure = (FailureKind.INTERRUPTED, signals.reason())
     if failure is None:
         try:
             score = float(evaluator.evaluate(res.output))
@@ -96,7 +98,8 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
     res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
               echo=lambda line: print(line, flush=True))
     if res.interrupted:
-        return 130
+        print(f"zenithtune: {signals.reason()}; the command's process group was stopped", file=sys.stderr, flush=True)
+        return signals.exit_code()
     if res.returncode == 0:
         try:
             score = evaluator.evaluate(res.output)

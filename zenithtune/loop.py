@@ -16,7 +16,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from zenithtune import record
+from zenithtune import record, signals
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
@@ -151,7 +151,7 @@ class StudyLoop:
             res = self.launch(trial.number, cand, limit)
         except KeyboardInterrupt:
             outcome = replace(outcome, kind=FailureKind.INTERRUPTED.value, duration=time.time() - started,
-                              reasons=["interrupted by the user (Ctrl-C)"])
+                              reasons=[signals.reason()])
             record.store(trial, outcome)
             self.study.tell(trial, state=TrialState.FAIL)
             raise

@@ -15,7 +15,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from zenithtune import record, settings
+from zenithtune import record, settings, signals
 from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
@@ -71,7 +71,9 @@ class StudyRunner:
             zstudy.close_stale(study)  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
             progress.interrupted(url, self._resume_hint(url))
-            raise StudyInterrupted("") from None
+            stop = StudyInterrupted("")
+            stop.exit_code = signals.exit_code()  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+            raise stop from None
         return self._finish(study, job, url, sweep_dir, progress, why)
 
     def _remember(self, study: optuna.Study, job: Job, url: str) -> None:

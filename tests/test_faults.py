@@ -1,0 +1,81 @@
+"""Faults a user's environment throws at the tuner: stop signals, hostile stored inputs, bad values.
+
+Each test drives `python -m zenithtune` (or the `zenithtune` CLI) in a subprocess as a user would and
+asserts what they see: the exit code, the one-line error, what the study recorded.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE = str(REPO / "tests" / "fixtures" / "fake_trainer.py")
+# A Llama-3-8B-like shape so the space has something to search (the fake trainer ignores it).
+SHAPE_ARGS = ["--num-layers=32", "--hidden-size=4096", "--ffn-hidden-size=14336", "--num-attention-heads=32",
+              "--group-query-attention", "--num-query-groups=8", "--seq-length=8192",
+              "--max-position-embeddings=8192", "--vocab-size=128256", "--swiglu", "--bf16",
+              "--use-distributed-optimizer", "--log-throughput"]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ZENITHTUNE_")}
+
+
+def zt(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zenithtune", *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+# --- issue 10 item 1: SIGTERM / SIGHUP take Ctrl-C's path ------------------------------------------
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_stop_the_trial_record_it_and_write_best_yaml(tmp_path, sig, code):
+    counter = tmp_path / "count"
+    args = ["-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=3", "storage=r/study.db",
+            "--", sys.executable, FAKE, "--counter", str(counter), "--hang-at", "1", *SHAPE_ARGS]
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "zenithtune", *args], cwd=tmp_path, env=_env(),
+                                stdout=f, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: counter.exists() and len(counter.read_text().splitlines()) == 2, 90,
+                  "the second trial to start")
+        hung = int(counter.read_text().splitlines()[1])
+        time.sleep(0.5)
+        proc.send_signal(sig)  # what scancel / kill / timeout (SIGTERM) or an ssh drop (SIGHUP) sends
+        assert proc.wait(timeout=30) == code, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert "resume" in text and "storage=" in text, text[-3000:]
+    assert not _alive(hung)  # the running trial's process was killed with the tuner
+    assert (tmp_path / "r" / "best.yaml").is_file()  # the first trial completed: a best exists
+    trials = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{tmp_path / 'r' / 'study.db'}").get_trials()
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    stopped = [t for t in trials if t.user_attrs.get("kind") == "interrupted"]
+    assert len(stopped) == 1 and signal.Signals(sig).name in stopped[0].user_attrs["reasons"][0]
