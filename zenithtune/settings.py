@@ -13,11 +13,12 @@ below it reads a DictConfig.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from zenithtune import resolvers  # noqa: F401  (registers ${zt.command:}, ${zt.python:}, ${zt.started:})
 from zenithtune.errors import UserError
@@ -25,6 +26,8 @@ from zenithtune.errors import UserError
 # The largest world size a study may ask for: Megatron runs on at most a few tens of thousands of GPUs,
 # and the space's enumeration grows with the number of divisors of n_gpus.
 MAX_GPUS = 1 << 17
+# A tuned config's name (save_tuned=NAME -> conf/tuned/NAME.yaml): no path separators, no `..`.
+TUNED_NAME = re.compile(r"(?!\.)[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -111,8 +114,12 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
         if OmegaConf.is_missing(cfg, key):
             raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
     try:
-        data = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-                for k in cfg if k in names}
+        data = {k: OmegaConf.to_container(cfg[k], resolve=True, throw_on_missing=True)
+                if OmegaConf.is_config(cfg[k]) else cfg[k] for k in cfg if k in names}
+    except MissingMandatoryValue as e:  # e.g. evaluator=regex without evaluator.pattern
+        key = getattr(e, "full_key", None) or "a value"
+        raise UserError(f"{key} is required: add {key}=... (see the comments in conf/{key.split('.')[0]}/)"
+                        if "." in key else f"{key} is required: add {key}=...") from None
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
         raise UserError(f"{key}: {str(e).splitlines()[0]}") from None
@@ -128,13 +135,16 @@ def _positive(conf: ZenithtuneConf, key: str, example: str, *, zero_ok: bool = F
         raise UserError(f"{key}={value!r} must be {what} (e.g. {example})")
 
 
-def _positive_float(conf: ZenithtuneConf, key: str, example: str, *, optional: bool = False) -> None:
+def _positive_float(conf: ZenithtuneConf, key: str, example: str, *, optional: bool = False,
+                    unit: str = "seconds") -> None:
     value = getattr(conf, key)
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise UserError(f"{key}={value!r} must be a positive number of seconds or GB (e.g. {example})"
-                        + ("; leave it out (null) for no limit" if optional else ""))
+        shown = f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+        raise UserError(f"{key}={shown} must be a positive number{' of ' + unit if unit else ''} (e.g. {example})"
+                        + (("; leave it out (null) for no limit" if unit == "seconds" else "; or leave it out (null)")
+                           if optional else ""))
 
 
 def check(conf: ZenithtuneConf) -> None:
@@ -153,12 +163,16 @@ def check(conf: ZenithtuneConf) -> None:
         if getattr(conf, key) is not None:
             _positive(conf, key, f"{key}=32 or leave it out")
     _positive_float(conf, "timeout", "timeout=600", optional=True)
-    _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3")
+    _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3", unit="")
     _positive_float(conf, "timeout_dynamic_floor", "timeout_dynamic_floor=60")
-    _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True)
+    _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True, unit="GB")
     margin = conf.memory_safety_margin
     if not (math.isfinite(margin) and -0.5 < margin < 1.0):
         raise UserError(f"memory_safety_margin={margin!r} must be a fraction between -0.5 and 1 (e.g. 0.02)")
+    if conf.save_tuned is not None and not TUNED_NAME.fullmatch(str(conf.save_tuned)):
+        # The name becomes conf/tuned/<name>.yaml: a path would write outside conf/tuned/.
+        raise UserError(f"save_tuned={conf.save_tuned!r} must be a plain name (letters, digits, _ . -), "
+                        f"e.g. save_tuned=llama8b_8xh100; it is written to conf/tuned/<name>.yaml")
     if not conf.study_name:
         raise UserError("study_name is empty: give the Optuna study a name (default zenithtune)")
 
