@@ -79,3 +79,62 @@ def test_sigterm_and_sighup_stop_the_trial_record_it_and_write_best_yaml(tmp_pat
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     stopped = [t for t in trials if t.user_attrs.get("kind") == "interrupted"]
     assert len(stopped) == 1 and signal.Signals(sig).name in stopped[0].user_attrs["reasons"][0]
+
+
+# --- issue 10 item 9: storage a user points at, one line each; a foreign study is never written -----
+def _foreign(path: Path) -> None:
+    s = optuna.create_study(storage=f"sqlite:///{path}", study_name="zenithtune", direction="maximize")
+    s.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+
+
+def _multi(path: Path) -> None:
+    optuna.create_study(storage=f"sqlite:///{path}", study_name="zenithtune", directions=["maximize", "minimize"])
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(os.urandom(5000))
+
+
+def _truncated(path: Path) -> None:
+    _foreign(path)
+    with path.open("r+b") as f:
+        f.truncate(3000)
+
+
+@pytest.mark.parametrize("make, storage, expected", [
+    (_foreign, "db/study.db", "was not made by zenithtune"),
+    (_multi, "db/study.db", "is multi-objective"),
+    (_garbage, "db/study.db", "is not a SQLite database"),
+    (_truncated, "db/study.db", "cannot use the study storage"),
+    (None, "foo://bar", "cannot use the study storage foo://bar"),
+])
+def test_a_storage_that_is_not_ours_is_one_line_and_left_untouched(tmp_path, make, storage, expected):
+    db = tmp_path / "db" / "study.db"
+    db.parent.mkdir()
+    if make:
+        make(db)
+    before = db.read_bytes() if db.exists() else None
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=1", f"storage={storage}")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.startswith("zenithtune: error: ") and expected in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stdout
+    if before is not None:
+        assert db.read_bytes() == before  # nothing was asked, told or written into it
+
+
+# --- issue 10 item 7: resume refuses another command or model, naming what differs -------------------
+def test_resume_refuses_another_command_or_model_but_not_other_injected_options(tmp_path):
+    base = ["-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=1", "storage=r/study.db"]
+    r = zt(tmp_path, *base, "--", sys.executable, FAKE, *SHAPE_ARGS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    other = [a if a != "--num-layers=32" else "--num-layers=48" for a in SHAPE_ARGS]
+    r = zt(tmp_path, *base[:-2], "n_trials=2", "storage=r/study.db", "--", sys.executable, FAKE, *other)
+    assert r.returncode == 2 and "made for another command" in r.stderr, r.stderr
+    assert "--num-layers=32" in r.stderr and "--num-layers=48" in r.stderr
+    model = str(REPO / "tests" / "fixtures" / "models" / "Meta-Llama-3-8B")
+    r = zt(tmp_path, *base, f"model={model}", "--", sys.executable, FAKE, *SHAPE_ARGS)
+    assert r.returncode == 2 and "made for model=None" in r.stderr and "Meta-Llama-3-8B" in r.stderr, r.stderr
+    # What the tuner injects itself (TP, MBS, ...) does not make it another command.
+    r = zt(tmp_path, *base[:-2], "n_trials=2", "storage=r/study.db",
+           "--", sys.executable, FAKE, *SHAPE_ARGS, "--tensor-model-parallel-size", "4", "--micro-batch-size=2")
+    assert r.returncode == 0 and "resumed with" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

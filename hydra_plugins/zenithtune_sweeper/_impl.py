@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,69 @@ from zenithtune.run import FailureKind
 from zenithtune.tuned import tuned_yaml
 
 
+def _storage_error(url: str, err: BaseException) -> UserError:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return UserError(f"cannot use the study storage {zstudy.where(url)}: {first[:200]} "
+                     f"(give a study.db path or an Optuna URL: sqlite:///..., postgresql://..., mysql://...)")
+
+
+def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
+    """Open (or create) the study, refusing one zenithtune did not make, BEFORE anything is written
+    into it: a storage error, an unreadable or foreign database, a multi-objective study or one that
+    optimizes the other way is one line, and a foreign study never gets a trial of ours."""
+    import sqlalchemy.exc
+
+    direction = job.evaluator.direction
+    db = zstudy.db_path(url)
+    try:
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            for place in (db if db.exists() else db.parent,):
+                if not os.access(place, os.W_OK):
+                    raise UserError(f"cannot write {place}: the study database and its folder must be writable "
+                                    f"(choose another storage= / --db-path, or fix the permissions)")
+            if db.exists() and db.stat().st_size and db.read_bytes()[:16] != b"SQLite format 3\x00":
+                raise UserError(f"{db} is not a SQLite database (truncated or overwritten?): "
+                                f"move it away or choose another storage= / --db-path")
+        summaries = {s.study_name: s for s in optuna.get_all_study_summaries(url, include_best_trial=False)}
+        existing = summaries.get(name)
+        if existing is not None:
+            where = zstudy.where(url)
+            if len(existing.directions) != 1:
+                raise UserError(f"study {name!r} in {where} is multi-objective ({len(existing.directions)} "
+                                f"objectives); zenithtune needs its own: choose another study_name or storage")
+            if zstudy.STUDY_ATTR not in existing.user_attrs and existing.n_trials:
+                raise UserError(f"study {name!r} in {where} was not made by zenithtune ({existing.n_trials} "
+                                f"trials without its record): choose another study_name or storage")
+            theirs = existing.directions[0].name.lower()
+            if theirs != direction:
+                raise UserError(f"study {name!r} in {where} was created to {theirs} but the evaluator wants to "
+                                f"{direction}: use a new storage")
+        return zstudy.open_study(url, name, direction, job.strategy.sampler())
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError, OSError, ValueError, RuntimeError) as err:
+        raise _storage_error(url, err) from None
+
+
+def plain_command(job: Job) -> list[str]:
+    """The command with every option the tuner injects taken out: what a resumed study must share."""
+    from zenithtune.inject import inject
+    from zenithtune.space import options_for
+
+    return inject(job.command, {o: None for o in options_for(job.conf.preset, {}, job.ctx.gbs)})
+
+
+def command_difference(before: list[str], now: list[str]) -> str:
+    """The words that differ between two commands, as a user reads them."""
+    import shlex
+
+    gone = [w for w in before if w not in now]
+    added = [w for w in now if w not in before]
+    if not gone and not added:
+        return "the same words in another order"
+    parts = ([f"it had {shlex.join(gone[:4])}"] if gone else []) + ([f"this run has {shlex.join(added[:4])}"] if added else [])
+    return ", ".join(parts)
+
+
 class StudyRunner:
     def __init__(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig,
                  max_consecutive_skips: int) -> None:
@@ -49,13 +113,7 @@ class StudyRunner:
         conf = job.conf
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         url = zstudy.storage_url(conf.storage) if conf.storage else zstudy.default_storage(sweep_dir)
-        db = zstudy.db_path(url)
-        if db is not None:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        study = zstudy.open_study(url, conf.study_name, job.evaluator.direction, job.strategy.sampler())
-        if study.direction.name.lower() != job.evaluator.direction:
-            raise UserError(f"study {conf.study_name!r} in {url} was created to {study.direction.name.lower()} but "
-                            f"the evaluator wants to {job.evaluator.direction}: use a new storage")
+        study = _open_ours(url, conf.study_name, job)
         stale = zstudy.close_stale(study)
         prior = record.history(study)
         self._remember(study, job, url)
@@ -80,14 +138,24 @@ class StudyRunner:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
         and the command as given (None = the config's default command)."""
         before = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
+        plain = plain_command(job)
+        new_study = "(another --db-path / storage)"
         for name, now in (("n_gpus", job.ctx.n_gpus), ("gbs", job.ctx.gbs)):
             if before.get(name) not in (None, now):  # its trials would not be comparable with these
                 raise UserError(f"the study in {zstudy.where(url)} was made for {name}={before[name]}, this run "
                                 f"says {name}={now}: resume with {name}={before[name]} or start a new study "
-                                f"(another --db-path / storage)")
+                                f"{new_study}")
+        if before and before.get("model") != job.conf.model:
+            raise UserError(f"the study in {zstudy.where(url)} was made for model={before.get('model')}, this run "
+                            f"says model={job.conf.model}: resume with the same model= or start a new study "
+                            f"{new_study}")
+        if before.get("plain_command") not in (None, plain):
+            raise UserError(f"the study in {zstudy.where(url)} was made for another command ("
+                            f"{command_difference(before['plain_command'], plain)}; options the tuner injects do "
+                            f"not count): resume with the same command or start a new study {new_study}")
         choices = HydraConfig.get().runtime.choices
         study.set_user_attr(zstudy.STUDY_ATTR, {
-            "overrides": list(self.arguments), "command": environ_command(),
+            "overrides": list(self.arguments), "command": environ_command(), "plain_command": plain,
             "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": job.conf.model,
             "preset": choices.get("preset"), "strategy": choices.get("strategy"),
             "metric": job.evaluator.metric_name})
