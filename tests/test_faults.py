@@ -138,3 +138,50 @@ def test_resume_refuses_another_command_or_model_but_not_other_injected_options(
     r = zt(tmp_path, *base[:-2], "n_trials=2", "storage=r/study.db",
            "--", sys.executable, FAKE, *SHAPE_ARGS, "--tensor-model-parallel-size", "4", "--micro-batch-size=2")
     assert r.returncode == 0 and "resumed with" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+# --- issue 10 item 6: a study db or tuned file brings only parameters --------------------------------
+def _tuned(tmp_path: Path, name: str, text: str) -> None:
+    (tmp_path / "conf" / "tuned").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "conf" / "tuned" / f"{name}.yaml").write_text("# @package _global_\n" + text)
+
+
+def test_a_tuned_file_that_sets_a_command_or_hydra_settings_is_refused(tmp_path):
+    _tuned(tmp_path, "evil", "n_gpus: 8\ngbs: 64\nparams: {tp: 2}\ncommand: [bash, -c, 'touch pwned']\n"
+                             "hydra: {job: {env_set: {LD_PRELOAD: /tmp/x.so}}}\n")
+    r = zt(tmp_path, "tuned=evil", "--", sys.executable, FAKE, *SHAPE_ARGS)
+    assert r.returncode == 2 and "also sets command, hydra" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "pwned").exists()
+
+
+def test_tuned_parameters_megatron_rejects_are_refused_with_the_rule(tmp_path):
+    _tuned(tmp_path, "tp3", "n_gpus: 8\ngbs: 64\nparams: {tp: 3, pp: 1}\n")
+    r = zt(tmp_path, "tuned=tp3", "--", sys.executable, FAKE, "--counter", "count", *SHAPE_ARGS)
+    assert r.returncode == 2 and "world size (8) is not divisible by tensor model parallel size (3)" in r.stderr, r.stderr
+    assert not (tmp_path / "count").exists()  # nothing was launched
+    r = zt(tmp_path, "n_gpus=8", "gbs=64", "+params.nosuch=1", "--", sys.executable, FAKE, *SHAPE_ARGS)
+    assert r.returncode == 2 and "params.nosuch is not a parameter" in r.stderr, r.stderr
+
+
+def test_apply_never_replays_a_stored_command_or_hydra_settings(tmp_path):
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=1", "storage=r/study.db",
+           "--", sys.executable, FAKE, *SHAPE_ARGS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    study = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{tmp_path / 'r' / 'study.db'}")
+    meta = dict(study.user_attrs["zenithtune"])
+    evil = ["bash", "-c", "touch pwned"]
+    meta["overrides"] = meta["overrides"] + ["command=[bash,-c,'touch pwned2']",
+                                             "++hydra.job.env_set.LD_PRELOAD=/tmp/x.so"]
+    meta["command"] = evil
+    study.set_user_attr("zenithtune", meta)
+    cli = [sys.executable, "-m", "zenithtune.cli", "apply", "--db-path", "r/study.db"]
+    # Without `--`: the stored command is shown, and nothing runs without --yes.
+    r = subprocess.run(cli, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "bash -c 'touch pwned'" in r.stderr and "--yes" in r.stderr, r.stderr
+    # With an explicit command: that command runs, the stored Hydra settings and command= are not replayed.
+    r = subprocess.run([*cli, "--", sys.executable, FAKE, "--counter", "count", *SHAPE_ARGS], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "not replayed" in r.stderr and "command" in r.stderr and "hydra.job.env_set.LD_PRELOAD" in r.stderr
+    assert (tmp_path / "count").exists() and "LD_PRELOAD" not in r.stdout
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()

@@ -149,18 +149,46 @@ def apply_overrides(ns: argparse.Namespace, command: list[str] | None) -> tuple[
         return _merge([f"tuned={ns.tuned}"], user), command, f"tuned config {ns.tuned}"
     study, best, url = _load_best(ns.db_path, ns.study_name)
     meta = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
-    replay = [o for o in meta.get("overrides", []) if _key(o) not in STUDY_ONLY and not _key(o).startswith("params.")]
+    replay = replayable(meta.get("overrides", []), f"the study in {zstudy.where(url)}")
     if not meta:  # a study from before the sweeper stored its overrides: best.yaml knows the shape
         replay = _best_yaml_shape(url)
     cand = best.candidate
     params = [f"++params.{k}={_param_value(v)}" for k, v in cand.items()]
     if command is None and meta.get("command"):
-        command = list(meta["command"])
+        # A study file may come from anyone: its command runs only when the user has seen it and says so.
+        stored = [str(w) for w in meta["command"]]
+        if not ns.yes and not ns.dry_run:
+            raise UserError(f"the study's stored command is `{shlex.join(stored)}`: give your command after `--`, "
+                            f"or add --yes to run that one")
+        command = stored
     from zenithtune.progress import describe
 
     where = zstudy.where(url)
     what = f"trial {best.trial_number} of {where} ({best.value:g} {meta.get('metric', '')}".rstrip() + f"): {describe(cand)}"
     return _merge(replay + params, user), command, what
+
+
+# What `apply` takes from a study's stored overrides: the job's shape and the config group choices,
+# all typed and checked like the user's own. Anything else in a study file (a `command=`, Hydra
+# settings such as hydra.job.env_set.LD_PRELOAD, a `_target_`) is never replayed.
+REPLAYED = ("n_gpus", "gbs", "model", "num_layers", "num_query_groups", "seq_length", "mbs_max",
+            "gpus_per_node", "gpu_memory_gb", "sim_gpu", "preset", "evaluator", "memory_safety_margin")
+
+
+def replayable(overrides: Sequence[str], source: str) -> list[str]:
+    """The stored overrides `apply` replays; a warning names each one it leaves out."""
+    keep, dropped = [], []
+    for o in overrides:
+        k = _key(str(o))
+        if k in STUDY_ONLY or k.startswith("params."):
+            continue  # steers the search, not the run
+        ok = k in REPLAYED or (k.startswith("evaluator.") and "_target_" not in k and k.count(".") == 1)
+        (keep if ok and not str(o).startswith("~") else dropped).append(str(o))
+    if dropped:
+        print(f"zenithtune: warning: {source} also stores {', '.join(sorted({_key(o) for o in dropped}))}; "
+              f"not replayed (only the tuned parameters and the job's shape are taken from a study)",
+              file=sys.stderr, flush=True)
+    return keep
 
 
 def _best_yaml_shape(url: str) -> list[str]:
@@ -171,7 +199,8 @@ def _best_yaml_shape(url: str) -> list[str]:
     if best is None or not best.is_file():
         return []
     data = yaml.safe_load(best.read_text()) or {}
-    return [f"{k}={data[k]}" for k in ("n_gpus", "gbs") if k in data]
+    return [f"{k}={int(data[k])}" for k in ("n_gpus", "gbs")
+            if isinstance(data.get(k), int) and not isinstance(data.get(k), bool)]
 
 
 # --- the parser ----------------------------------------------------------------------------------
@@ -203,7 +232,7 @@ examples:
   zenithtune apply --tuned qwen3_8xh100 -- torchrun --nproc-per-node 8 pretrain_gpt.py ...
   #   same as: python -m zenithtune tuned=qwen3_8xh100 -- torchrun ...
 
-Without `-- command`, the study's own command is run again. The command's output streams live and
+Without `-- command`, the study's own command is printed and run only with --yes. The command's output streams live and
 its exit code is zenithtune's; n_gpus/gbs come from the study (override with --args).
 """
 
@@ -264,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape(a)
     a.add_argument("--study-name", metavar="NAME", help="study name when the database holds several")
     a.add_argument("--timeout", type=float, metavar="SECONDS", help="limit for the run (default: none)")
+    a.add_argument("--yes", action="store_true", help="without `-- command`: run the command stored in the study "
+                   "(it is printed first; without --yes nothing runs)")
     a.add_argument("--dry-run", action="store_true", help="print the equivalent python -m zenithtune call and exit")
     a.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="any further Hydra override")
 

@@ -251,6 +251,8 @@ def check_overrides(overrides: list[str]) -> None:
             if value not in known and value != "null":
                 noun = {"tuned": "tuned config (./conf/tuned/NAME.yaml)"}.get(key, key)
                 raise UserError(f"{key}={value} is not a {noun}: choose one of {', '.join(known) or 'none yet'}")
+            if key == "tuned" and value != "null":
+                check_tuned_file(value)
         elif key in names and key not in ("command", "default_command", "params", "preset", "strategy",
                                           "evaluator", "result") and not value.startswith("${"):
             try:
@@ -260,3 +262,31 @@ def check_overrides(overrides: list[str]) -> None:
                 raise UserError(f"{key}={value} is not a valid {kind}: {key} takes "
                                 + ("a number" if kind in ("int", "float") else f"a {kind}")
                                 + " (see conf/config.yaml)") from None
+
+
+# What a tuned config may set. It is merged over the whole config (`# @package _global_`), so any
+# other key (a `command:`, a `hydra:` node with env_set, a `defaults:` list) would silently change what
+# runs: a tuned file from someone else must only bring the tuned parameters and the job they fit.
+TUNED_KEYS = ("params", "n_gpus", "gbs", "result")
+
+
+def check_tuned_file(name: str) -> None:
+    """Refuse, in one line, a tuned config (./conf/tuned/NAME.yaml or ours) that sets more than it may."""
+    from importlib import resources
+    from pathlib import Path
+
+    import yaml
+
+    local = Path.cwd() / "conf" / "tuned" / f"{name}.yaml"
+    ours = resources.files("zenithtune.conf").joinpath("tuned", f"{name}.yaml")
+    path = local if local.is_file() else ours
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"tuned={name}: cannot read {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
+        raise UserError(f"tuned={name}: {path} holds no `params:` mapping (write one with save_tuned={name})")
+    extra = sorted(str(k) for k in data if k not in TUNED_KEYS)
+    if extra:
+        raise UserError(f"tuned={name}: {path} also sets {', '.join(extra)}; a tuned config may only hold "
+                        f"{', '.join(TUNED_KEYS)} (remove the other keys; the command comes after `--`)")
