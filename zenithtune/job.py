@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from zenithtune import modelinfo
+from zenithtune import modelinfo, preflight
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
 from zenithtune.inject import find_option
@@ -89,6 +89,9 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
     problem = command_problem(command)
     if problem:
         raise UserError(problem)
+    preflight.check_command(command, n_gpus=conf.n_gpus, evaluator_target=str(conf.evaluator.get("_target_", "")))
+    if conf.model:
+        preflight.check_model(command, conf.model)
     explicit = {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length")
                 if getattr(conf, k) is not None}
     model = modelinfo.resolve(explicit=explicit, argv=command, model=conf.model)

@@ -261,7 +261,7 @@ def _offline_error(model: str, why: str) -> ModelInfoError:
     why = " ".join(str(why).split())[:160]  # one line, never a traceback
     return ModelInfoError(
         f"model={model!r}: cannot read its config offline ({why}); zenithtune works offline: pre-download it "
-        f"with `huggingface-cli download {model} config.json`, pass a local directory with config.json, "
+        f"with `hf download {model} config.json`, pass a local directory with config.json, "
         f"or give the shape instead (num_layers=..., num_query_groups=..., num_experts=... for MoE)")
 
 
@@ -269,6 +269,9 @@ def _load_config(model: str) -> Any:
     """AutoConfig offline; a cached/local config.json that AutoConfig cannot parse (unknown or
     remote-code model_type) is read as plain JSON instead (said in the log)."""
     try:
+        # Without torch, importing transformers prints "PyTorch was not found" (an advisory warning):
+        # zenithtune only reads configs, so the line is noise on a user's terminal.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoConfig  # lazy: importing transformers takes ~1.5 s
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise _offline_error(model, f"transformers is not installed: {exc}") from None

@@ -181,7 +181,13 @@ def wrapped_command(conf: ZenithtuneConf) -> list[str]:
     if not conf.command:
         raise UserError("command is empty: put the training command after a lone `--`, "
                         "e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- torchrun ... pretrain_gpt.py ...")
-    return [str(x) for x in conf.command]
+    argv = [str(x) for x in conf.command]
+    if conf.model and conf.command == conf.default_command:
+        # model= with the built-in simulator: the simulator plays that model, not the default Llama.
+        from zenithtune.preflight import with_model
+
+        argv = with_model(argv, conf.model)
+    return argv
 
 
 def trial_params(conf: ZenithtuneConf) -> dict[str, Any]:
