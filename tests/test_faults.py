@@ -185,3 +185,30 @@ def test_apply_never_replays_a_stored_command_or_hydra_settings(tmp_path):
     assert "not replayed" in r.stderr and "command" in r.stderr and "hydra.job.env_set.LD_PRELOAD" in r.stderr
     assert (tmp_path / "count").exists() and "LD_PRELOAD" not in r.stdout
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+
+
+# --- issue 14 item 11: exhaustive means all ------------------------------------------------------------
+def test_grid_is_never_stopped_by_proposals_it_cannot_launch():
+    from hydra import compose, initialize_config_module
+    from omegaconf import open_dict
+
+    from zenithtune import settings
+    from zenithtune.job import build_job
+    from zenithtune.loop import Launched, StudyLoop
+
+    with initialize_config_module("zenithtune.conf"):
+        cfg = compose("config", overrides=["n_gpus=8", "gbs=32", "strategy=grid", "strategy.order=space",
+                                           "mbs_max=4", "gpu_memory_gb=30"])
+    with open_dict(cfg):
+        cfg.command = [sys.executable, "-m", "zenithtune.sim", "--num-layers=12", "--hidden-size=2048",
+                       "--num-attention-heads=16", "--group-query-attention", "--num-query-groups=4",
+                       "--seq-length=4096", "--vocab-size=32000", "--log-throughput", "--sim-world-size=8"]
+    job = build_job(settings.load(cfg))
+    launchable = [c for c in job.space.walk() if not job.screen(c)]
+    assert 0 < len(launchable) < len(list(job.space.walk()))  # some candidates are screened out
+    study = optuna.create_study(direction="maximize", sampler=job.strategy.sampler())
+    loop = StudyLoop(job, study, lambda n, cand, t: Launched(100.0 + n), max_consecutive_skips=1)
+    loop.start([])
+    why = loop.run(10_000)
+    assert why == "strategy exhausted"
+    assert len([o for o in loop.outcomes if o.launched]) == len(launchable)  # every launchable one, once

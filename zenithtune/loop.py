@@ -83,7 +83,7 @@ class StudyLoop:
                 strategy.tell(outcome)
                 self.cb.skipped(outcome)
                 skips += 1
-                if self.max_consecutive_skips and skips >= self.max_consecutive_skips:
+                if self.max_consecutive_skips and not strategy.exhaustive and skips >= self.max_consecutive_skips:
                     return (f"{skips} proposals in a row could not be launched "
                             f"(invalid, predicted OOM or already measured)")
                 continue

@@ -47,6 +47,9 @@ class Strategy(ABC):
     """Base class of every search strategy (see the module docstring for its life)."""
 
     direction: Literal["maximize", "minimize"] = "maximize"
+    # An exhaustive strategy proposes each candidate once and ends by itself: the study loop never stops
+    # it for proposals it could not launch (a sampler may repeat; an exhaustive one must mean all).
+    exhaustive: bool = False
 
     def sampler(self) -> optuna.samplers.BaseSampler:
         import optuna
