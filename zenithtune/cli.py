@@ -107,6 +107,8 @@ def optimize_overrides(ns: argparse.Namespace) -> list[str]:
     if ns.n_trials is not None:
         out.append(f"n_trials={ns.n_trials}")
     if ns.timeout is not None:
+        if not ns.timeout > 0:
+            raise UserError(f"--timeout {ns.timeout:g} must be a positive number of seconds (leave it out for no limit)")
         out.append(f"timeout={ns.timeout:g}")
     if ns.timeout_dynamic:
         out.append("timeout_dynamic=true")
@@ -315,6 +317,40 @@ def _add_shape(p: argparse.ArgumentParser) -> None:
                         "stage1_trials, gpu_memory_gb, ... (any key of conf/config.yaml)")
 
 
+SUBCOMMANDS = ("optimize", "apply", "analyze")
+
+
+def _subcommand_not_first(own: Sequence[str]) -> str | None:
+    """`zenithtune --preset megatron optimize ...`: argparse would say "invalid choice: 'megatron'"."""
+    if not own or own[0] in SUBCOMMANDS or own[0] in ("-h", "--help"):
+        return None
+    sub = next((a for a in own if a in SUBCOMMANDS), None)
+    if sub is None:
+        return None
+    rest = [a for a in own if a != sub]
+    return f"put the subcommand first: zenithtune {sub} {shlex.join(rest)} ..."
+
+
+def _require_shape(overrides: Sequence[str], command: Sequence[str] | None) -> None:
+    """n_gpus and gbs, asked for in this CLI's own spelling; options typed after `--` are the command's."""
+    given = {_key(o) for o in overrides}
+    missing = [k for k in ("n_gpus", "gbs") if k not in given]
+    if not missing:
+        return
+    ours = [w for w in (command or []) if w.split("=")[0] in _OUR_OPTIONS]
+    if ours:
+        raise UserError(f"{', '.join(sorted(set(w.split('=')[0] for w in ours)))} came after `--`, so it became "
+                        f"part of the training command: put zenithtune's options before `--` "
+                        f"(zenithtune optimize --preset megatron --args n_gpus=8,gbs=64 -- <command>)")
+    raise UserError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required: "
+                    f"--args n_gpus=8,gbs=64 (the world size of one trial and the global batch size)")
+
+
+# This CLI's options: found after `--` they were almost certainly meant for zenithtune.
+_OUR_OPTIONS = ("--args", "--preset", "--strategy", "--n-trials", "--db-path", "--timeout", "--timeout-dynamic",
+                "--save-tuned", "--study-name", "--output-dir")
+
+
 def hydra_command(overrides: Sequence[str], command: Sequence[str] | None) -> str:
     return shlex.join(["python", "-m", "zenithtune", *overrides]) + (f" -- {shlex.join(command)}" if command else "")
 
@@ -323,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command = split_command(argv)
     parser = build_parser()
+    misplaced = _subcommand_not_first(own)
+    if misplaced:
+        parser.error(misplaced)
     ns, extra = parser.parse_known_args(own)
     if ns.subcommand is None:
         parser.print_help()
@@ -344,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.subcommand == "optimize":
             overrides, what = optimize_overrides(ns), None
+            _require_shape(overrides, command)
         else:
             overrides, command, what = apply_overrides(ns, command)
     except ZenithtuneError as e:

@@ -112,6 +112,13 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
     names = {f.name for f in fields(ZenithtuneConf)}
     for key in ("n_gpus", "gbs"):
         if OmegaConf.is_missing(cfg, key):
+            from zenithtune.resolvers import environ_command
+
+            # `... -- python train.py n_gpus=8 gbs=64`: the values went into the training command.
+            late = [w for w in environ_command() or [] if w.split("=")[0] in ("n_gpus", "gbs", "--args", "--preset")]
+            if late:
+                raise UserError(f"{key} is required, and {late[0]} came after `--` (the training command): put "
+                                f"zenithtune's values before `--`, e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- ...")
             raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
     try:
         data = {k: OmegaConf.to_container(cfg[k], resolve=True, throw_on_missing=True)
