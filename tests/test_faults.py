@@ -212,3 +212,14 @@ def test_grid_is_never_stopped_by_proposals_it_cannot_launch():
     why = loop.run(10_000)
     assert why == "strategy exhausted"
     assert len([o for o in loop.outcomes if o.launched]) == len(launchable)  # every launchable one, once
+
+
+@pytest.mark.parametrize("after", [0.5, 2.0])
+def test_a_stop_signal_while_starting_up_is_one_line_and_128_plus_signal(tmp_path, after):
+    proc = subprocess.Popen([sys.executable, "-m", "zenithtune", "-m", "n_gpus=8", "gbs=64", "n_trials=2"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(after)  # composing the config or building the job, wherever it is now
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in out, out[-3000:]
+    assert "SIGTERM" in out

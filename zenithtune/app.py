@@ -60,8 +60,9 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
             raise TrialFailure(FailureKind.INVALID_ARGS.value, f"not launched: {problem}")
     evaluator = build(conf.evaluator)
     started = time.time()
-    res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
-              echo=(lambda line: print(line, flush=True)) if conf.echo else None)
+    with signals.armed():  # a stop signal kills this trial's process group and is recorded as interrupted
+        res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
+                  echo=(lambda line: print(line, flush=True)) if conf.echo else None)
     failure = classify(res)
     score = None
     if res.interrupted:
@@ -116,8 +117,9 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
     for k, v in env.items():
         print(f"zenithtune: with {k}={v}", flush=True)
     evaluator = build(conf.evaluator)
-    res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
-              echo=lambda line: print(line, flush=True))
+    with signals.armed():  # SIGTERM / SIGHUP kill the command's process group like Ctrl-C
+        res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
+                  echo=lambda line: print(line, flush=True))
     if res.interrupted:
         print(f"zenithtune: {signals.reason()}; the command's process group was stopped", file=sys.stderr, flush=True)
         return signals.exit_code()

@@ -18,12 +18,33 @@ from typing import Iterator
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _received: int | None = None  # the last stop signal that arrived (None: none, or Ctrl-C)
+_armed = False  # inside `armed()`: a trial may be running and the study has something to save
 
 
 def _raise(signum: int, frame: object) -> None:
     global _received
     _received = signum
+    if not _armed:
+        # Composing the config, building the job, writing the summary: nothing runs that needs killing,
+        # and an exception raised in the middle of Hydra or OmegaConf would surface as a traceback.
+        import os
+        import sys
+
+        print(f"zenithtune: {reason()}; stopped", file=sys.stderr, flush=True)
+        os._exit(exit_code())
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def armed() -> Iterator[None]:
+    """While inside (the study loop, a single run), a stop signal raises KeyboardInterrupt so the running
+    trial is killed and recorded; outside, it ends the process at once with a one-line message."""
+    global _armed
+    before, _armed = _armed, True
+    try:
+        yield
+    finally:
+        _armed = before
 
 
 @contextlib.contextmanager

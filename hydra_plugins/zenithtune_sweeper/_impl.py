@@ -124,7 +124,8 @@ class StudyRunner:
         loop = StudyLoop(job, study, self._launch, progress, self.max_consecutive_skips)
         loop.start(prior)
         try:
-            why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
+            with signals.armed():  # SIGTERM / SIGHUP now take Ctrl-C's path (zenithtune.signals)
+                why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
         except KeyboardInterrupt:
             zstudy.close_stale(study)  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
