@@ -402,7 +402,21 @@ def from_hf(model: str) -> ModelInfo:
 
     Never touches the network; raises `ModelInfoError` (one line, with the fix) when it cannot.
     """
-    return info_from_config(_load_config(model), name=model)
+    return _sizes_checked(info_from_config(_load_config(model), name=model), f"model={model}")
+
+
+# Sizes that may be 0 (a dense model has 0 experts, no shared experts).
+_ZERO_OK = ("num_experts", "moe_shared_expert_size")
+
+
+def _sizes_checked(info: ModelInfo, source: str) -> ModelInfo:
+    """A shape with a size below 1 (a config saying -3 layers) is refused in one line."""
+    for f in fields(info):
+        value = getattr(info, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < (0 if f.name in _ZERO_OK else 1):
+            raise ModelInfoError(f"{source}: {f.name}={value} is not a valid size (it must be a positive whole "
+                                 f"number); fix the config or give it explicitly ({f.name}=...)")
+    return info
 
 
 # --- all sources together ------------------------------------------------------------------------
@@ -430,4 +444,4 @@ def resolve(*, explicit: dict[str, Any] | None, argv: list[str] | None, model: s
             log.warning("%s; continuing with the shape given so far (%s)", exc, info.summary())
     if info.name is None and (model or argv):
         info = replace(info, name=model or "command")
-    return info
+    return _sizes_checked(info, "the model shape")

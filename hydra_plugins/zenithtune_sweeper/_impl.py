@@ -113,6 +113,13 @@ class StudyRunner:
         conf = job.conf
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         url = zstudy.storage_url(conf.storage) if conf.storage else zstudy.default_storage(sweep_dir)
+        try:  # trial folders go under the sweep dir: a read-only place is one line now, not a traceback later
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(sweep_dir, os.W_OK):
+                raise PermissionError(f"{sweep_dir} is not writable")
+        except OSError as err:
+            raise UserError(f"cannot write the study folder {sweep_dir}: {err.strerror or err}; run from a writable "
+                            f"folder or choose one (--output-dir / hydra.sweep.dir=...)") from None
         study = _open_ours(url, conf.study_name, job)
         stale = zstudy.close_stale(study)
         prior = record.history(study)
