@@ -219,6 +219,10 @@ examples:
       -- torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 48 ... --train-iters 10
   # resume it after Ctrl-C or a crash: the same command (finished trials are not re-run)
 
+Stopping: Ctrl-C, SIGTERM (scancel, kill, timeout) and SIGHUP (a dropped ssh session) all kill the
+running trial's processes, record it as interrupted, write best.yaml and print the resume command;
+the exit code is 128 + the signal: 130 (Ctrl-C), 143 (SIGTERM), 129 (SIGHUP).
+
 Every option maps to a key of conf/config.yaml; --dry-run prints the python -m zenithtune call.
 --timeout-dynamic: once a trial has succeeded, each trial's limit is timeout_dynamic_factor (3) x the
 fastest successful trial's wall time, at least timeout_dynamic_floor (60 s) and at most --timeout;
