@@ -74,7 +74,7 @@ def _zt(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 def test_model_with_the_default_command_tunes_that_model_on_the_simulator(tmp_path):
     r = _zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=1", f"model={MODELS / 'Qwen3-30B-A3B'}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "48 layers, h=2048, 32 heads / 4 groups, 128 experts top-8" in r.stdout
+    assert "Qwen3-30B-A3B: 48 layers, h=2048, 32 heads / 4 groups, 128 experts top-8" in r.stdout
     assert "--num-experts 128" in r.stdout and "PyTorch was not found" not in r.stderr
 
 

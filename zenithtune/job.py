@@ -7,7 +7,7 @@ GPU memory, the search space, the strategy, the evaluator and the memory model. 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from zenithtune import modelinfo, preflight
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
@@ -95,6 +95,8 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
     explicit = {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length")
                 if getattr(conf, k) is not None}
     model = modelinfo.resolve(explicit=explicit, argv=command, model=conf.model)
+    if conf.model and model.name == "command":  # the command agrees with model= (checked above): say which
+        model = replace(model, name=conf.model)
     from_cmd = modelinfo.from_argv(command)
     for key, value in explicit.items():
         theirs = getattr(from_cmd, key, None)
