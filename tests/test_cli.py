@@ -125,6 +125,12 @@ def test_db_path_may_be_the_study_folder_or_a_url(tmp_path):
     (["apply"], "one of the arguments --db-path --tuned is required"),
     (["apply", "--tuned", "nope"], "no conf/tuned/nope.yaml"),
     (["apply", "--db-path", "missing/study.db"], "no such study database"),
+    (["--preset", "megatron", "optimize", "--args", "n_gpus=8,gbs=64"],
+     "put the subcommand first: zenithtune optimize --preset megatron --args n_gpus=8,gbs=64"),
+    (["optimize", "--preset", "megatron", "--", "python", "train.py", "--args", "n_gpus=8,gbs=64"],
+     "--args came after `--`, so it became part of the training command"),
+    (["optimize", "--args", "n_gpus=8"], "gbs is required: --args n_gpus=8,gbs=64"),
+    (["optimize", "--args", "n_gpus=8,gbs=64", "--timeout", "-5"], "--timeout -5 must be a positive number"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

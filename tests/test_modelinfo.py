@@ -76,7 +76,7 @@ def test_unknown_hub_id_fails_offline_in_one_line():
     assert isinstance(err.value, ValueError)
     assert "\n" not in msg and "Traceback" not in msg
     assert "acme/NoSuchModel-7B" in msg and "offline" in msg
-    assert "huggingface-cli download acme/NoSuchModel-7B config.json" in msg
+    assert "hf download acme/NoSuchModel-7B config.json" in msg
     assert "num_layers=" in msg and "num_query_groups=" in msg
 
 

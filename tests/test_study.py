@@ -111,6 +111,7 @@ BAD_INPUTS = [
     (["-m", "n_gpus=8", "gbs=64", "--", "no-such-trainer-xyz", "--lr", "1"], "no-such-trainer-xyz"),
     (["-m", "n_gpus=8", "gbs=64", "--"], "nothing after `--`"),
     (["-m", "n_gpus=8", "gbs=64", "mbs_max=0"], "mbs_max=0 must be a positive whole number"),
+    (["-m", "--", "python", "train.py", "n_gpus=8", "gbs=64"], "n_gpus=8 came after `--` (the training command)"),
 ]
 
 
@@ -143,13 +144,17 @@ def test_unknown_group_option_is_one_line_listing_the_available_ones(tmp_path, g
                                           ("timeout=-1", "timeout"), ("gpus_per_node=-8", "gpus_per_node"),
                                           ("seq_length=-5", "seq_length"), ("num_query_groups=0", "num_query_groups"),
                                           ("timeout_dynamic_factor=-2", "timeout_dynamic_factor"),
-                                          ("n_gpus=1000000000", "n_gpus")])
+                                          ("n_gpus=1000000000", "n_gpus"), ("timeout=-5", "timeout"),
+                                          ("timeout_dynamic_floor=-1", "timeout_dynamic_floor"),
+                                          ("save_tuned=../x", "save_tuned"), ("save_tuned=/tmp/x", "save_tuned"),
+                                          ("evaluator=regex", "evaluator.pattern")])
 def test_a_bad_value_is_one_line_naming_the_key(tmp_path, override, key):
     """Typed schema + range checks at the boundary: one line, the key named, exit 2, no traceback."""
     args = ["-m", "n_gpus=8", "gbs=64", override] if not override.startswith("n_gpus") else ["-m", "gbs=64", override]
     r = zt(tmp_path, *args, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith(f"zenithtune: error: {key}=") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"zenithtune: error: {key}") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "conf").exists() and not (tmp_path / "x.yaml").exists()  # nothing written anywhere
 
 
 def test_a_single_run_without_params_says_a_study_needs_dash_m(tmp_path):

@@ -59,9 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         hydra_args = hydra_args + _search_path_override(hydra_args) + _sweep_dir_override(hydra_args)
     except ZenithtuneError as e:
         return report(e)
+    from zenithtune import signals
     from zenithtune.hydra_main import run_hydra
 
-    return run_hydra(hydra_args)
+    # SIGTERM / SIGHUP (scancel, kill, timeout, a dropped ssh) take Ctrl-C's path: the running trial's
+    # process group is killed, the trial recorded as interrupted, best.yaml written, exit 128 + signal.
+    with signals.handled():
+        try:
+            return run_hydra(hydra_args)
+        except KeyboardInterrupt:  # stopped before or after the study loop (composing, building the job)
+            print(f"zenithtune: {signals.reason()}", file=sys.stderr, flush=True)
+            return signals.exit_code()
 
 
 if __name__ == "__main__":

@@ -9,14 +9,16 @@ of the run (exact argv, added env, duration, measured memory) land in `<trial di
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from zenithtune import signals
 from zenithtune.errors import UserError
 from zenithtune.evaluate import NoMetric, PeakMemory
 from zenithtune.inject import inject
-from zenithtune.job import screen_params
+from zenithtune.job import build_setting, screen_params
 from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Launched, write_run
 from zenithtune.run import FailureKind, classify, run
 from zenithtune.settings import ZenithtuneConf, build, trial_params, wrapped_command
@@ -61,14 +63,15 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     started = time.time()
     # The trial dir marks every process of the trial (ZENITHTUNE_TRIAL): a resumed study finds what a
     # killed tuner left running with processes.kill_leftovers(<trial dir>).
-    res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
-              echo=(lambda line: print(line, flush=True)) if conf.echo else None,
-              on_line=lambda line: (evaluator.feed(line), memory.feed(line)),
-              trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
+    with signals.armed():  # a stop signal kills this trial's process group and is recorded as interrupted
+        res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
+                  echo=(lambda line: print(line, flush=True)) if conf.echo else None,
+                  on_line=lambda line: (evaluator.feed(line), memory.feed(line)),
+                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
     failure = classify(res)
     score = None
     if res.interrupted:
-        failure = (FailureKind.INTERRUPTED, "interrupted by the user (Ctrl-C)")
+        failure = (FailureKind.INTERRUPTED, signals.reason())
     if failure is None:
         try:
             score = float(evaluator.result())
@@ -88,11 +91,32 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     return score
 
 
+def check_params(conf: ZenithtuneConf) -> None:
+    """Refuse parameters (from a tuned file or a study db: untrusted) that this job's space does not
+    know or that break a Megatron rule, before anything runs; a predicted OOM is only a warning (the
+    estimate can be wrong, the run itself will tell)."""
+    st = build_setting(conf, quiet=True)
+    params = trial_params(conf)
+    unknown = sorted(k for k in params if k not in st.space.params)
+    if unknown:
+        raise UserError(f"params.{unknown[0]} is not a parameter of this preset; it has: {', '.join(st.space.params)}")
+    cand = st.space.normalize(params)
+    broken = st.space.reasons(cand)
+    structural = [b for b in broken if b[0] != "choices"]  # the rule Megatron would cite, first
+    if broken:
+        raise UserError(f"these parameters cannot run with n_gpus={conf.n_gpus} gbs={conf.gbs}: "
+                        + "; ".join(why for _, why in (structural or broken)[:2]))
+    oom = st.predicted_oom(cand)
+    if oom:
+        print(f"zenithtune: warning: {oom}; running it anyway", file=sys.stderr, flush=True)
+
+
 def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
     """A single (non -m) run: apply the config's params once, stream the output, return the exit code."""
     if not trial_params(conf):
         raise UserError("nothing to apply: a study needs -m (python -m zenithtune -m n_gpus=8 gbs=64); "
                         "a single run needs tuned=NAME (a conf/tuned/NAME.yaml) or +params.tp=... values")
+    check_params(conf)
     argv, env = compose(conf)
     out_dir.mkdir(parents=True, exist_ok=True)
     print("zenithtune: running " + shlex.join(argv), flush=True)
@@ -100,11 +124,13 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
         print(f"zenithtune: with {k}={v}", flush=True)
     evaluator = build(conf.evaluator)
     evaluator.begin()
-    res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
-              echo=lambda line: print(line, flush=True), on_line=evaluator.feed,
-              trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
+    with signals.armed():  # SIGTERM / SIGHUP kill the command's process group like Ctrl-C
+        res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
+                  echo=lambda line: print(line, flush=True), on_line=evaluator.feed,
+                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
     if res.interrupted:
-        return 130
+        print(f"zenithtune: {signals.reason()}; the command's process group was stopped", file=sys.stderr, flush=True)
+        return signals.exit_code()
     if res.returncode == 0:
         try:
             score = evaluator.result()

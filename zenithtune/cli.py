@@ -107,6 +107,8 @@ def optimize_overrides(ns: argparse.Namespace) -> list[str]:
     if ns.n_trials is not None:
         out.append(f"n_trials={ns.n_trials}")
     if ns.timeout is not None:
+        if not ns.timeout > 0:
+            raise UserError(f"--timeout {ns.timeout:g} must be a positive number of seconds (leave it out for no limit)")
         out.append(f"timeout={ns.timeout:g}")
     if ns.timeout_dynamic:
         out.append("timeout_dynamic=true")
@@ -149,18 +151,46 @@ def apply_overrides(ns: argparse.Namespace, command: list[str] | None) -> tuple[
         return _merge([f"tuned={ns.tuned}"], user), command, f"tuned config {ns.tuned}"
     study, best, url = _load_best(ns.db_path, ns.study_name)
     meta = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
-    replay = [o for o in meta.get("overrides", []) if _key(o) not in STUDY_ONLY and not _key(o).startswith("params.")]
+    replay = replayable(meta.get("overrides", []), f"the study in {zstudy.where(url)}")
     if not meta:  # a study from before the sweeper stored its overrides: best.yaml knows the shape
         replay = _best_yaml_shape(url)
     cand = best.candidate
     params = [f"++params.{k}={_param_value(v)}" for k, v in cand.items()]
     if command is None and meta.get("command"):
-        command = list(meta["command"])
+        # A study file may come from anyone: its command runs only when the user has seen it and says so.
+        stored = [str(w) for w in meta["command"]]
+        if not ns.yes and not ns.dry_run:
+            raise UserError(f"the study's stored command is `{shlex.join(stored)}`: give your command after `--`, "
+                            f"or add --yes to run that one")
+        command = stored
     from zenithtune.progress import describe
 
     where = zstudy.where(url)
     what = f"trial {best.trial_number} of {where} ({best.value:g} {meta.get('metric', '')}".rstrip() + f"): {describe(cand)}"
     return _merge(replay + params, user), command, what
+
+
+# What `apply` takes from a study's stored overrides: the job's shape and the config group choices,
+# all typed and checked like the user's own. Anything else in a study file (a `command=`, Hydra
+# settings such as hydra.job.env_set.LD_PRELOAD, a `_target_`) is never replayed.
+REPLAYED = ("n_gpus", "gbs", "model", "num_layers", "num_query_groups", "seq_length", "mbs_max",
+            "gpus_per_node", "gpu_memory_gb", "sim_gpu", "preset", "evaluator", "memory_safety_margin")
+
+
+def replayable(overrides: Sequence[str], source: str) -> list[str]:
+    """The stored overrides `apply` replays; a warning names each one it leaves out."""
+    keep, dropped = [], []
+    for o in overrides:
+        k = _key(str(o))
+        if k in STUDY_ONLY or k.startswith("params."):
+            continue  # steers the search, not the run
+        ok = k in REPLAYED or (k.startswith("evaluator.") and "_target_" not in k and k.count(".") == 1)
+        (keep if ok and not str(o).startswith("~") else dropped).append(str(o))
+    if dropped:
+        print(f"zenithtune: warning: {source} also stores {', '.join(sorted({_key(o) for o in dropped}))}; "
+              f"not replayed (only the tuned parameters and the job's shape are taken from a study)",
+              file=sys.stderr, flush=True)
+    return keep
 
 
 def _best_yaml_shape(url: str) -> list[str]:
@@ -171,7 +201,8 @@ def _best_yaml_shape(url: str) -> list[str]:
     if best is None or not best.is_file():
         return []
     data = yaml.safe_load(best.read_text()) or {}
-    return [f"{k}={data[k]}" for k in ("n_gpus", "gbs") if k in data]
+    return [f"{k}={int(data[k])}" for k in ("n_gpus", "gbs")
+            if isinstance(data.get(k), int) and not isinstance(data.get(k), bool)]
 
 
 # --- the parser ----------------------------------------------------------------------------------
@@ -188,6 +219,10 @@ examples:
       -- torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 48 ... --train-iters 10
   # resume it after Ctrl-C or a crash: the same command (finished trials are not re-run)
 
+Stopping: Ctrl-C, SIGTERM (scancel, kill, timeout) and SIGHUP (a dropped ssh session) all kill the
+running trial's processes, record it as interrupted, write best.yaml and print the resume command;
+the exit code is 128 + the signal: 130 (Ctrl-C), 143 (SIGTERM), 129 (SIGHUP).
+
 Every option maps to a key of conf/config.yaml; --dry-run prints the python -m zenithtune call.
 --timeout-dynamic: once a trial has succeeded, each trial's limit is timeout_dynamic_factor (3) x the
 fastest successful trial's wall time, at least timeout_dynamic_floor (60 s) and at most --timeout;
@@ -203,7 +238,7 @@ examples:
   zenithtune apply --tuned qwen3_8xh100 -- torchrun --nproc-per-node 8 pretrain_gpt.py ...
   #   same as: python -m zenithtune tuned=qwen3_8xh100 -- torchrun ...
 
-Without `-- command`, the study's own command is run again. The command's output streams live and
+Without `-- command`, the study's own command is printed and run only with --yes. The command's output streams live and
 its exit code is zenithtune's; n_gpus/gbs come from the study (override with --args).
 """
 
@@ -264,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape(a)
     a.add_argument("--study-name", metavar="NAME", help="study name when the database holds several")
     a.add_argument("--timeout", type=float, metavar="SECONDS", help="limit for the run (default: none)")
+    a.add_argument("--yes", action="store_true", help="without `-- command`: run the command stored in the study "
+                   "(it is printed first; without --yes nothing runs)")
     a.add_argument("--dry-run", action="store_true", help="print the equivalent python -m zenithtune call and exit")
     a.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="any further Hydra override")
 
@@ -284,6 +321,40 @@ def _add_shape(p: argparse.ArgumentParser) -> None:
                         "stage1_trials, gpu_memory_gb, ... (any key of conf/config.yaml)")
 
 
+SUBCOMMANDS = ("optimize", "apply", "analyze")
+
+
+def _subcommand_not_first(own: Sequence[str]) -> str | None:
+    """`zenithtune --preset megatron optimize ...`: argparse would say "invalid choice: 'megatron'"."""
+    if not own or own[0] in SUBCOMMANDS or own[0] in ("-h", "--help"):
+        return None
+    sub = next((a for a in own if a in SUBCOMMANDS), None)
+    if sub is None:
+        return None
+    rest = [a for a in own if a != sub]
+    return f"put the subcommand first: zenithtune {sub} {shlex.join(rest)} ..."
+
+
+def _require_shape(overrides: Sequence[str], command: Sequence[str] | None) -> None:
+    """n_gpus and gbs, asked for in this CLI's own spelling; options typed after `--` are the command's."""
+    given = {_key(o) for o in overrides}
+    missing = [k for k in ("n_gpus", "gbs") if k not in given]
+    if not missing:
+        return
+    ours = [w for w in (command or []) if w.split("=")[0] in _OUR_OPTIONS]
+    if ours:
+        raise UserError(f"{', '.join(sorted(set(w.split('=')[0] for w in ours)))} came after `--`, so it became "
+                        f"part of the training command: put zenithtune's options before `--` "
+                        f"(zenithtune optimize --preset megatron --args n_gpus=8,gbs=64 -- <command>)")
+    raise UserError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required: "
+                    f"--args n_gpus=8,gbs=64 (the world size of one trial and the global batch size)")
+
+
+# This CLI's options: found after `--` they were almost certainly meant for zenithtune.
+_OUR_OPTIONS = ("--args", "--preset", "--strategy", "--n-trials", "--db-path", "--timeout", "--timeout-dynamic",
+                "--save-tuned", "--study-name", "--output-dir")
+
+
 def hydra_command(overrides: Sequence[str], command: Sequence[str] | None) -> str:
     return shlex.join(["python", "-m", "zenithtune", *overrides]) + (f" -- {shlex.join(command)}" if command else "")
 
@@ -292,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command = split_command(argv)
     parser = build_parser()
+    misplaced = _subcommand_not_first(own)
+    if misplaced:
+        parser.error(misplaced)
     ns, extra = parser.parse_known_args(own)
     if ns.subcommand is None:
         parser.print_help()
@@ -313,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.subcommand == "optimize":
             overrides, what = optimize_overrides(ns), None
+            _require_shape(overrides, command)
         else:
             overrides, command, what = apply_overrides(ns, command)
     except ZenithtuneError as e:

@@ -7,8 +7,8 @@ GPU memory, the search space, the strategy, the evaluator and the memory model. 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from zenithtune import modelinfo
+from dataclasses import dataclass, replace
+from zenithtune import modelinfo, preflight
 from zenithtune.command import facts, trainer_problem
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
@@ -93,9 +93,14 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
     problem = trainer_problem(command) or command_problem(command)
     if problem:
         raise UserError(problem)
+    preflight.check_command(command, n_gpus=conf.n_gpus, evaluator_target=str(conf.evaluator.get("_target_", "")))
+    if conf.model:
+        preflight.check_model(command, conf.model)
     explicit = {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length")
                 if getattr(conf, k) is not None}
     model = modelinfo.resolve(explicit=explicit, argv=command, model=conf.model)
+    if conf.model and model.name == "command":  # the command agrees with model= (checked above): say which
+        model = replace(model, name=conf.model)
     from_cmd = modelinfo.from_argv(command)
     for key, value in explicit.items():
         theirs = getattr(from_cmd, key, None)

@@ -21,7 +21,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from zenithtune import record, traits
+from zenithtune import record, signals, traits
 from zenithtune import study as zstudy
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
@@ -163,7 +163,7 @@ class StudyLoop:
                     strategy.tell(outcome)
                     self.cb.skipped(outcome)
                     skips += 1
-                    if self.max_consecutive_skips and skips >= self.max_consecutive_skips:
+                    if self.max_consecutive_skips and not strategy.exhaustive and skips >= self.max_consecutive_skips:
                         self._abandon_wave(wave)
                         return (f"{skips} proposals in a row could not be launched "
                                 f"(invalid, predicted OOM or already measured)")
@@ -318,7 +318,7 @@ class StudyLoop:
         except KeyboardInterrupt:
             for p in wave:
                 outcome = replace(self._base(p), kind=FailureKind.INTERRUPTED.value, duration=time.time() - started,
-                                  reasons=["interrupted by the user (Ctrl-C)"])
+                                  reasons=[signals.reason()])
                 record.store(p.trial, outcome)
                 self.study.tell(p.trial, state=TrialState.FAIL)
                 self._close(p.number)

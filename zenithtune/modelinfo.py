@@ -231,7 +231,7 @@ def _offline_error(model: str, why: str) -> ModelInfoError:
     why = " ".join(str(why).split())[:160]  # one line, never a traceback
     return ModelInfoError(
         f"model={model!r}: cannot read its config offline ({why}); zenithtune works offline: pre-download it "
-        f"with `huggingface-cli download {model} config.json`, pass a local directory with config.json, "
+        f"with `hf download {model} config.json`, pass a local directory with config.json, "
         f"or give the shape instead (num_layers=..., num_query_groups=..., num_experts=... for MoE)")
 
 
@@ -239,6 +239,9 @@ def _load_config(model: str) -> Any:
     """AutoConfig offline; a cached/local config.json that AutoConfig cannot parse (unknown or
     remote-code model_type) is read as plain JSON instead (said in the log)."""
     try:
+        # Without torch, importing transformers prints "PyTorch was not found" (an advisory warning):
+        # zenithtune only reads configs, so the line is noise on a user's terminal.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoConfig  # lazy: importing transformers takes ~1.5 s
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise _offline_error(model, f"transformers is not installed: {exc}") from None
@@ -369,7 +372,21 @@ def from_hf(model: str) -> ModelInfo:
 
     Never touches the network; raises `ModelInfoError` (one line, with the fix) when it cannot.
     """
-    return info_from_config(_load_config(model), name=model)
+    return _sizes_checked(info_from_config(_load_config(model), name=model), f"model={model}")
+
+
+# Sizes that may be 0 (a dense model has 0 experts, no shared experts).
+_ZERO_OK = ("num_experts", "moe_shared_expert_size")
+
+
+def _sizes_checked(info: ModelInfo, source: str) -> ModelInfo:
+    """A shape with a size below 1 (a config saying -3 layers) is refused in one line."""
+    for f in fields(info):
+        value = getattr(info, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < (0 if f.name in _ZERO_OK else 1):
+            raise ModelInfoError(f"{source}: {f.name}={value} is not a valid size (it must be a positive whole "
+                                 f"number); fix the config or give it explicitly ({f.name}=...)")
+    return info
 
 
 # --- all sources together ------------------------------------------------------------------------
@@ -397,4 +414,4 @@ def resolve(*, explicit: dict[str, Any] | None, argv: list[str] | None, model: s
             log.warning("%s; continuing with the shape given so far (%s)", exc, info.summary())
     if info.name is None and (model or argv):
         info = replace(info, name=model or "command")
-    return info
+    return _sizes_checked(info, "the model shape")

@@ -13,16 +13,19 @@ below it reads a DictConfig.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from zenithtune import resolvers  # noqa: F401  (registers ${zt.command:}, ${zt.python:}, ${zt.started:})
 from zenithtune.errors import UserError
 from zenithtune.space import MAX_GPUS
 
+# A tuned config's name (save_tuned=NAME -> conf/tuned/NAME.yaml): no path separators, no `..`.
+TUNED_NAME = re.compile(r"(?!\.)[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -112,10 +115,21 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
     names = {f.name for f in fields(ZenithtuneConf)}
     for key in ("n_gpus", "gbs"):
         if OmegaConf.is_missing(cfg, key):
+            from zenithtune.resolvers import environ_command
+
+            # `... -- python train.py n_gpus=8 gbs=64`: the values went into the training command.
+            late = [w for w in environ_command() or [] if w.split("=")[0] in ("n_gpus", "gbs", "--args", "--preset")]
+            if late:
+                raise UserError(f"{key} is required, and {late[0]} came after `--` (the training command): put "
+                                f"zenithtune's values before `--`, e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- ...")
             raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
     try:
-        data = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-                for k in cfg if k in names}
+        data = {k: OmegaConf.to_container(cfg[k], resolve=True, throw_on_missing=True)
+                if OmegaConf.is_config(cfg[k]) else cfg[k] for k in cfg if k in names}
+    except MissingMandatoryValue as e:  # e.g. evaluator=regex without evaluator.pattern
+        key = getattr(e, "full_key", None) or "a value"
+        raise UserError(f"{key} is required: add {key}=... (see the comments in conf/{key.split('.')[0]}/)"
+                        if "." in key else f"{key} is required: add {key}=...") from None
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
         raise UserError(f"{key}: {str(e).splitlines()[0]}") from None
@@ -131,13 +145,16 @@ def _positive(conf: ZenithtuneConf, key: str, example: str, *, zero_ok: bool = F
         raise UserError(f"{key}={value!r} must be {what} (e.g. {example})")
 
 
-def _positive_float(conf: ZenithtuneConf, key: str, example: str, *, optional: bool = False) -> None:
+def _positive_float(conf: ZenithtuneConf, key: str, example: str, *, optional: bool = False,
+                    unit: str = "seconds") -> None:
     value = getattr(conf, key)
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise UserError(f"{key}={value!r} must be a positive number of seconds or GB (e.g. {example})"
-                        + ("; leave it out (null) for no limit" if optional else ""))
+        shown = f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+        raise UserError(f"{key}={shown} must be a positive number{' of ' + unit if unit else ''} (e.g. {example})"
+                        + (("; leave it out (null) for no limit" if unit == "seconds" else "; or leave it out (null)")
+                           if optional else ""))
 
 
 def check(conf: ZenithtuneConf) -> None:
@@ -162,13 +179,17 @@ def check(conf: ZenithtuneConf) -> None:
         if getattr(conf, key) is not None:
             _positive(conf, key, f"{key}=32 or leave it out")
     _positive_float(conf, "timeout", "timeout=600", optional=True)
-    _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3")
+    _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3", unit="")
     _positive_float(conf, "timeout_dynamic_floor", "timeout_dynamic_floor=60")
-    _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True)
-    _positive_float(conf, "log_max_mb", "log_max_mb=50", optional=True)
+    _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True, unit="GB")
+    _positive_float(conf, "log_max_mb", "log_max_mb=50", optional=True, unit="MB")
     margin = conf.memory_safety_margin
     if not (math.isfinite(margin) and -0.5 < margin < 1.0):
         raise UserError(f"memory_safety_margin={margin!r} must be a fraction between -0.5 and 1 (e.g. 0.02)")
+    if conf.save_tuned is not None and not TUNED_NAME.fullmatch(str(conf.save_tuned)):
+        # The name becomes conf/tuned/<name>.yaml: a path would write outside conf/tuned/.
+        raise UserError(f"save_tuned={conf.save_tuned!r} must be a plain name (letters, digits, _ . -), "
+                        f"e.g. save_tuned=llama8b_8xh100; it is written to conf/tuned/<name>.yaml")
     if not conf.study_name:
         raise UserError("study_name is empty: give the Optuna study a name (default zenithtune)")
 
@@ -177,7 +198,13 @@ def wrapped_command(conf: ZenithtuneConf) -> list[str]:
     if not conf.command:
         raise UserError("command is empty: put the training command after a lone `--`, "
                         "e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- torchrun ... pretrain_gpt.py ...")
-    return [str(x) for x in conf.command]
+    argv = [str(x) for x in conf.command]
+    if conf.model and conf.command == conf.default_command:
+        # model= with the built-in simulator: the simulator plays that model, not the default Llama.
+        from zenithtune.preflight import with_model
+
+        argv = with_model(argv, conf.model)
+    return argv
 
 
 def trial_params(conf: ZenithtuneConf) -> dict[str, Any]:
@@ -247,6 +274,8 @@ def check_overrides(overrides: list[str]) -> None:
             if value not in known and value != "null":
                 noun = {"tuned": "tuned config (./conf/tuned/NAME.yaml)"}.get(key, key)
                 raise UserError(f"{key}={value} is not a {noun}: choose one of {', '.join(known) or 'none yet'}")
+            if key == "tuned" and value != "null":
+                check_tuned_file(value)
         elif key in names and key not in ("command", "default_command", "params", "preset", "strategy",
                                           "evaluator", "result", "prune") and not value.startswith("${"):
             try:
@@ -256,3 +285,31 @@ def check_overrides(overrides: list[str]) -> None:
                 raise UserError(f"{key}={value} is not a valid {kind}: {key} takes "
                                 + ("a number" if kind in ("int", "float") else f"a {kind}")
                                 + " (see conf/config.yaml)") from None
+
+
+# What a tuned config may set. It is merged over the whole config (`# @package _global_`), so any
+# other key (a `command:`, a `hydra:` node with env_set, a `defaults:` list) would silently change what
+# runs: a tuned file from someone else must only bring the tuned parameters and the job they fit.
+TUNED_KEYS = ("params", "n_gpus", "gbs", "result")
+
+
+def check_tuned_file(name: str) -> None:
+    """Refuse, in one line, a tuned config (./conf/tuned/NAME.yaml or ours) that sets more than it may."""
+    from importlib import resources
+    from pathlib import Path
+
+    import yaml
+
+    local = Path.cwd() / "conf" / "tuned" / f"{name}.yaml"
+    ours = resources.files("zenithtune.conf").joinpath("tuned", f"{name}.yaml")
+    path = local if local.is_file() else ours
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"tuned={name}: cannot read {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
+        raise UserError(f"tuned={name}: {path} holds no `params:` mapping (write one with save_tuned={name})")
+    extra = sorted(str(k) for k in data if k not in TUNED_KEYS)
+    if extra:
+        raise UserError(f"tuned={name}: {path} also sets {', '.join(extra)}; a tuned config may only hold "
+                        f"{', '.join(TUNED_KEYS)} (remove the other keys; the command comes after `--`)")

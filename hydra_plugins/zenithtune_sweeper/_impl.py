@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from zenithtune import record, settings
+from zenithtune import record, settings, signals
 from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
@@ -28,6 +29,76 @@ from zenithtune.record import TRIAL_INFO, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
 from zenithtune.tuned import tuned_yaml
+
+
+def _storage_error(url: str, err: BaseException) -> UserError:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return UserError(f"cannot use the study storage {zstudy.where(url)}: {first[:200]} "
+                     f"(give a study.db path or an Optuna URL: sqlite:///..., postgresql://..., mysql://...)")
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(16)
+
+
+def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
+    """Open (or create) the study, refusing one zenithtune did not make, BEFORE anything is written
+    into it: a storage error, an unreadable or foreign database, a multi-objective study or one that
+    optimizes the other way is one line, and a foreign study never gets a trial of ours."""
+    import sqlalchemy.exc
+
+    direction = job.evaluator.direction
+    db = zstudy.db_path(url)
+    try:
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            for place in (db if db.exists() else db.parent,):
+                if not os.access(place, os.W_OK):
+                    raise UserError(f"cannot write {place}: the study database and its folder must be writable "
+                                    f"(choose another storage= / --db-path, or fix the permissions)")
+            if db.exists() and db.stat().st_size and _head(db) != b"SQLite format 3\x00":
+                raise UserError(f"{db} is not a SQLite database (truncated or overwritten?): "
+                                f"move it away or choose another storage= / --db-path")
+        storage = zstudy.open_storage(url, job.conf.heartbeat_interval, job.conf.heartbeat_grace)
+        summaries = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+        existing = summaries.get(name)
+        if existing is not None:
+            where = zstudy.where(url)
+            if len(existing.directions) != 1:
+                raise UserError(f"study {name!r} in {where} is multi-objective ({len(existing.directions)} "
+                                f"objectives); zenithtune needs its own: choose another study_name or storage")
+            if zstudy.STUDY_ATTR not in existing.user_attrs and existing.n_trials:
+                raise UserError(f"study {name!r} in {where} was not made by zenithtune ({existing.n_trials} "
+                                f"trials without its record): choose another study_name or storage")
+            theirs = existing.directions[0].name.lower()
+            if theirs != direction:
+                raise UserError(f"study {name!r} in {where} was created to {theirs} but the evaluator wants to "
+                                f"{direction}: use a new storage")
+        return zstudy.open_study(url, name, direction, job.strategy.sampler(),
+                                 heartbeat_interval=job.conf.heartbeat_interval, grace_period=job.conf.heartbeat_grace)
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError, OSError, ValueError, RuntimeError) as err:
+        raise _storage_error(url, err) from None
+
+
+def plain_command(job: Job) -> list[str]:
+    """The command with every option the tuner injects taken out: what a resumed study must share."""
+    from zenithtune.inject import inject
+    from zenithtune.space import options_for
+
+    return inject(job.command, {o: None for o in options_for(job.conf.preset, {}, job.ctx.gbs)})
+
+
+def command_difference(before: list[str], now: list[str]) -> str:
+    """The words that differ between two commands, as a user reads them."""
+    import shlex
+
+    gone = [w for w in before if w not in now]
+    added = [w for w in now if w not in before]
+    if not gone and not added:
+        return "the same words in another order"
+    parts = ([f"it had {shlex.join(gone[:4])}"] if gone else []) + ([f"this run has {shlex.join(added[:4])}"] if added else [])
+    return ", ".join(parts)
 
 
 class StudyRunner:
@@ -51,14 +122,14 @@ class StudyRunner:
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         self.sweep_dir = sweep_dir
         url = zstudy.storage_url(conf.storage) if conf.storage else zstudy.default_storage(sweep_dir)
-        db = zstudy.db_path(url)
-        if db is not None:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        study = zstudy.open_study(url, conf.study_name, job.evaluator.direction, job.strategy.sampler(),
-                                  heartbeat_interval=conf.heartbeat_interval, grace_period=conf.heartbeat_grace)
-        if study.direction.name.lower() != job.evaluator.direction:
-            raise UserError(f"study {conf.study_name!r} in {url} was created to {study.direction.name.lower()} but "
-                            f"the evaluator wants to {job.evaluator.direction}: use a new storage")
+        try:  # trial folders go under the sweep dir: a read-only place is one line now, not a traceback later
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(sweep_dir, os.W_OK):
+                raise PermissionError(f"{sweep_dir} is not writable")
+        except OSError as err:
+            raise UserError(f"cannot write the study folder {sweep_dir}: {err.strerror or err}; run from a writable "
+                            f"folder or choose one (--output-dir / hydra.sweep.dir=...)") from None
+        study = _open_ours(url, conf.study_name, job)
         # Only trials no live worker beats for are failed (a worker sharing the study keeps its own).
         liveness = zstudy.Liveness(study, conf.heartbeat_interval, conf.heartbeat_grace)
         stale = liveness.fail_stale() + zstudy.close_waiting(study)
@@ -72,13 +143,16 @@ class StudyRunner:
                          launch_batch=self._launch_wave, parallel=conf.parallel_trials, liveness=liveness)
         loop.start(prior)
         try:
-            why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
-            self._await_others(study, liveness)
+            with signals.armed():  # SIGTERM / SIGHUP now take Ctrl-C's path (zenithtune.signals)
+                why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
+                self._await_others(study, liveness)
         except KeyboardInterrupt:
             loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
             progress.interrupted(url, self._resume_hint(url))
-            raise StudyInterrupted("") from None
+            stop = StudyInterrupted("")
+            stop.exit_code = signals.exit_code()  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+            raise stop from None
         finally:
             liveness.stop()
         return self._finish(study, job, url, sweep_dir, progress, why)
@@ -96,14 +170,24 @@ class StudyRunner:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
         and the command as given (None = the config's default command)."""
         before = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
+        plain = plain_command(job)
+        new_study = "(another --db-path / storage)"
         for name, now in (("n_gpus", job.ctx.n_gpus), ("gbs", job.ctx.gbs)):
             if before.get(name) not in (None, now):  # its trials would not be comparable with these
                 raise UserError(f"the study in {zstudy.where(url)} was made for {name}={before[name]}, this run "
                                 f"says {name}={now}: resume with {name}={before[name]} or start a new study "
-                                f"(another --db-path / storage)")
+                                f"{new_study}")
+        if before and before.get("model") != job.conf.model:
+            raise UserError(f"the study in {zstudy.where(url)} was made for model={before.get('model')}, this run "
+                            f"says model={job.conf.model}: resume with the same model= or start a new study "
+                            f"{new_study}")
+        if before.get("plain_command") not in (None, plain):
+            raise UserError(f"the study in {zstudy.where(url)} was made for another command ("
+                            f"{command_difference(before['plain_command'], plain)}; options the tuner injects do "
+                            f"not count): resume with the same command or start a new study {new_study}")
         choices = HydraConfig.get().runtime.choices
         study.set_user_attr(zstudy.STUDY_ATTR, {
-            "overrides": list(self.arguments), "command": environ_command(),
+            "overrides": list(self.arguments), "command": environ_command(), "plain_command": plain,
             "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": job.conf.model,
             "preset": choices.get("preset"), "strategy": choices.get("strategy"),
             "metric": job.evaluator.metric_name})

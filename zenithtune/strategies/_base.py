@@ -55,6 +55,9 @@ class Strategy(ABC):
 
     direction: Literal["maximize", "minimize"] = "maximize"
     sequential: bool = False  # True: one proposal per wave (the next depends on the last outcome)
+    # An exhaustive strategy proposes each candidate once and ends by itself: the study loop never stops
+    # it for proposals it could not launch (a sampler may repeat; an exhaustive one must mean all).
+    exhaustive: bool = False
 
     def sampler(self) -> optuna.samplers.BaseSampler:
         import optuna

@@ -7,6 +7,8 @@ from zenithtune.strategies._base import Proposal, Strategy
 
 
 class GridStrategy(Strategy):
+    exhaustive = True  # every valid candidate, however many in a row cannot be launched
+
     def __init__(self, order: Literal["memory", "space"] = "memory"):
         if order not in ("memory", "space"):
             raise ValueError(f"grid order={order!r} is not one of memory|space")

@@ -1,0 +1,80 @@
+"""Stop signals: SIGTERM and SIGHUP take the same path as Ctrl-C.
+
+Slurm's scancel, Kubernetes, `timeout` and a dropped ssh session stop the tuner with SIGTERM or SIGHUP,
+not SIGINT. While a front end runs (`handled()`), those signals raise `KeyboardInterrupt` in the main
+thread, so the runner kills the trial's process group, the loop records the trial as interrupted,
+the sweeper writes best.yaml and prints the resume hint: exactly what Ctrl-C does. Only the exit code
+and the recorded reason tell them apart (the shell's 128 + signal number: 130 Ctrl-C, 129 SIGHUP,
+143 SIGTERM). SIGKILL cannot be caught; a resumed study closes what it left RUNNING.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
+# The signals handled like Ctrl-C; SIGINT already raises KeyboardInterrupt.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+_received: int | None = None  # the last stop signal that arrived (None: none, or Ctrl-C)
+_armed = False  # inside `armed()`: a trial may be running and the study has something to save
+
+
+def _raise(signum: int, frame: object) -> None:
+    global _received
+    _received = signum
+    if not _armed:
+        # Composing the config, building the job, writing the summary: nothing runs that needs killing,
+        # and an exception raised in the middle of Hydra or OmegaConf would surface as a traceback.
+        import os
+        import sys
+
+        print(f"zenithtune: {reason()}; stopped", file=sys.stderr, flush=True)
+        os._exit(exit_code())
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def armed() -> Iterator[None]:
+    """While inside (the study loop, a single run), a stop signal raises KeyboardInterrupt so the running
+    trial is killed and recorded; outside, it ends the process at once with a one-line message."""
+    global _armed
+    before, _armed = _armed, True
+    try:
+        yield
+    finally:
+        _armed = before
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """While inside, SIGTERM / SIGHUP raise KeyboardInterrupt; the previous handlers come back after."""
+    global _received
+    _received = None
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python delivers signals to the main thread only; its own handlers apply
+        return
+    saved = {s: signal.signal(s, _raise) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def received() -> int | None:
+    """The stop signal (SIGTERM / SIGHUP) that interrupted this process; None for Ctrl-C or none."""
+    return _received
+
+
+def reason() -> str:
+    """How an interrupted trial's record says it was stopped."""
+    if _received is None:
+        return "interrupted by the user (Ctrl-C)"
+    return f"interrupted: the tuner received {signal.Signals(_received).name}"
+
+
+def exit_code() -> int:
+    """The shell's convention, 128 + signal number: 130 after Ctrl-C, 143 SIGTERM, 129 SIGHUP."""
+    return 128 + (_received if _received is not None else signal.SIGINT)
