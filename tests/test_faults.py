@@ -243,3 +243,29 @@ def test_an_unwritable_study_folder_is_one_line(tmp_path):
     r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=1", "hydra.sweep.dir=blocker/study")
     assert r.returncode == 2 and "cannot write the study folder" in r.stderr, r.stdout[-2000:] + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+# --- issue 10 item 1: a tuner killed with SIGKILL leaves its trial running; the resume kills it -----
+def test_a_resumed_study_kills_what_a_killed_tuner_left_running(tmp_path):
+    counter = tmp_path / "count"
+    args = ["-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=3", "storage=r/study.db",
+            "heartbeat_interval=1", "heartbeat_grace=2",
+            "--", sys.executable, FAKE, "--counter", str(counter), "--hang-at", "1", *SHAPE_ARGS]
+    proc = subprocess.Popen([sys.executable, "-m", "zenithtune", *args], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: counter.exists() and len(counter.read_text().splitlines()) == 2, 90,
+                  "the second trial to start")
+        orphan = int(counter.read_text().splitlines()[1])
+        proc.kill()  # SIGKILL: no handler runs, the trial's process outlives the tuner
+        proc.wait(timeout=30)
+        assert _alive(orphan)
+        r = zt(tmp_path, *args)  # the same command: its launch counter is past the hang now
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not _alive(orphan)  # found by its trial marker and killed before the study went on
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    trials = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{tmp_path / 'r' / 'study.db'}").get_trials()
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    assert [t for t in trials if t.user_attrs.get("launched") and t.state == TrialState.FAIL]  # the stale one

@@ -230,8 +230,10 @@ class Liveness:
     `fail_stale_trials`); elsewhere (journal, in-memory) a trial system attr carries the beat. A
     RUNNING trial that never beat (a tuner of an older version) counts as beating at its start."""
 
-    def __init__(self, study: optuna.Study, interval: float, grace: float):
+    def __init__(self, study: optuna.Study, interval: float, grace: float,
+                 on_stale: Callable[[int], object] | None = None):
         self.study = study
+        self.on_stale = on_stale  # called with each trial failed as stale (e.g. kill what it left running)
         self.interval = float(interval)
         self.grace = float(grace)
         self.native = _optuna_heartbeat(study)
@@ -300,7 +302,10 @@ class Liveness:
                 except optuna.exceptions.UpdateFinishedTrialError:
                     pass  # another worker failed (or its owner told) it first
         after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-        return sorted(before - after - mine)
+        stale = sorted(before - after - mine)
+        for number in stale if self.on_stale is not None else ():
+            self.on_stale(number)
+        return stale
 
 
 def close_waiting(study: optuna.Study) -> list[int]:

@@ -24,6 +24,7 @@ from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, Zenithtu
 from zenithtune.job import Job, build_job
 from zenithtune.loop import Pending, StudyLoop
 from zenithtune.overrides import hydra_quote, key, resume_command, value
+from zenithtune.processes import kill_leftovers
 from zenithtune.progress import Progress
 from zenithtune.record import TRIAL_INFO, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
@@ -131,7 +132,10 @@ class StudyRunner:
                             f"folder or choose one (--output-dir / hydra.sweep.dir=...)") from None
         study = _open_ours(url, conf.study_name, job)
         # Only trials no live worker beats for are failed (a worker sharing the study keeps its own).
-        liveness = zstudy.Liveness(study, conf.heartbeat_interval, conf.heartbeat_grace)
+        # What a killed tuner's trial left running is found by its marker (the trial dir, see app.task) and
+        # killed before anything is launched, so a retried candidate never runs twice at once.
+        liveness = zstudy.Liveness(study, conf.heartbeat_interval, conf.heartbeat_grace,
+                                   on_stale=lambda n: kill_leftovers(str(sweep_dir / f"trial_{n}")))
         stale = liveness.fail_stale() + zstudy.close_waiting(study)
         prior = record.history(study)
         self._remember(study, job, url)
