@@ -135,7 +135,8 @@ def main() -> None:
         "Start = build_job (model shape, space walk, memory screen of every valid candidate) + the default",
         "(heuristic) strategy's setup and first proposal, in a fresh process after imports. The last column",
         "is the real front end (`python -m zenithtune -m ... n_trials=1`) until the study is open (space",
-        "report printed, just before the first launch), interpreter and Hydra start-up included. gbs = max(64, n_gpus / 4); simulated H100, 8 per node.", "",
+        "report printed, just before the first launch), interpreter and Hydra start-up included. "
+        "gbs = max(64, n_gpus / 4); simulated H100, 8 per node.", "",
         f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load average {os.getloadavg()[0]:.1f} at the end:",
         "CPU seconds are the comparable figure; wall seconds include waiting for a shared CPU.", "", *rows, "",
         refused, ""])

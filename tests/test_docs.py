@@ -36,9 +36,8 @@ def test_help_without_tuned_configs_says_how_to_make_one(tmp_path: Path) -> None
 
 # --- rendered output blocks (docs/render.py) -------------------------------------------------------
 sys.path.insert(0, str(ROOT / "docs"))
-import render  # noqa: E402  (docs/render.py: the script that writes the blocks)
-
 import pytest  # noqa: E402
+import render  # noqa: E402  (docs/render.py: the script that writes the blocks)
 
 
 def test_render_keeps_line_ranges_and_normalises_volatile_parts(tmp_path: Path) -> None:

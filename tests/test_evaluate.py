@@ -8,8 +8,19 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from zenithtune.evaluate import (SELECTORS, BadMetric, Evaluator, IterationTime, MegatronThroughput, NoMetric,
-                                 PeakMemory, Regex, SwiftSpeed, peak_memory_mb, select)
+from zenithtune.evaluate import (
+    SELECTORS,
+    BadMetric,
+    Evaluator,
+    IterationTime,
+    MegatronThroughput,
+    NoMetric,
+    PeakMemory,
+    Regex,
+    SwiftSpeed,
+    peak_memory_mb,
+    select,
+)
 from zenithtune.run import FailureKind, run
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "evaluator"

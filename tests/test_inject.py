@@ -5,8 +5,7 @@ import shlex
 
 import pytest
 
-from zenithtune.inject import (REMOVE, canonical, describe, find_option, inject, is_swift_command,
-                               options_start)
+from zenithtune.inject import REMOVE, canonical, describe, find_option, inject, is_swift_command, options_start
 
 MEG = "torchrun --nproc-per-node 8 pretrain_gpt.py"
 SIM = "python -m zenithtune.sim"

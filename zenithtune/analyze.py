@@ -95,7 +95,7 @@ def _stock_trials(trials: list[FrozenTrial], folder: Path | None) -> list[Frozen
 
 def _best(trials: list[FrozenTrial], maximize: bool) -> FrozenTrial | None:
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("launched") and t.value is not None]
-    return (max if maximize else min)(done, key=lambda t: t.value) if done else None
+    return (max if maximize else min)(done, key=lambda t: float(t.value or 0.0)) if done else None
 
 
 def _ratio(best: FrozenTrial, first: FrozenTrial, maximize: bool) -> str:
@@ -186,7 +186,7 @@ def _history(trials: list[FrozenTrial], metric: str, maximize: bool) -> Any:
     done = [t for t in trials if t.user_attrs.get("launched") and t.state == TrialState.COMPLETE and t.value is not None]
     failed = [t for t in trials if t.user_attrs.get("launched") and t.state == TrialState.FAIL]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    xs, ys = [t.number for t in done], [float(t.value) for t in done]
+    xs, ys = [t.number for t in done], [float(t.value or 0.0) for t in done]
     ax.scatter(xs, ys, s=18 if len(done) > 50 else 36, color="tab:blue", zorder=3, label="complete trial")
     best, run_x, run_y = None, [], []
     for x, y in zip(xs, ys):
@@ -240,7 +240,7 @@ def _parallel(trials: list[FrozenTrial], metric: str, maximize: bool) -> Any:
     # one axis per parameter that varies (a parameter missing in a trial, e.g. method under
     # selective recompute, shows as "-")
     cols = [k for k in keys if len({repr(_cand(t).get(k, "-")) for t in done}) > 1] or keys[:1]
-    scores = [float(t.value) for t in done]
+    scores = [float(t.value or 0.0) for t in done]
     fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * (len(cols) + 1)), 5))
     pos = {}
     for j, k in enumerate(cols):
@@ -289,11 +289,11 @@ def _timeline(trials: list[FrozenTrial]) -> Any:
                 and t.datetime_start is not None]
     if not launched:
         raise ValueError("no launched trial has a start time")
-    t0 = min(t.datetime_start for t in launched)  # type: ignore[type-var]
+    t0 = min(t.datetime_start or now for t in launched)
     fig, ax = plt.subplots(figsize=(9, min(12.0, max(2.8, 0.22 * len(launched) + 1.5))))
     seen: dict[str, str] = {}
     for i, t in enumerate(launched):
-        start = (t.datetime_start - t0).total_seconds()  # type: ignore[operator]
+        start = ((t.datetime_start or t0) - t0).total_seconds()
         end = ((t.datetime_complete or now) - t0).total_seconds()
         state = _state(t)
         colour = _COLOURS.get(state, "tab:purple")
@@ -402,7 +402,8 @@ figure {{ margin: 1em 0; }} img {{ max-width: 100%; }}
 {best_html}
 <pre id="summary">{esc(chr(10).join(lines))}</pre>
 <h2>Trials</h2>
-<table id="trials"><thead><tr><th>#</th><th>state</th>{head}<th>{esc(metric or 'value')}</th><th>s</th><th>failure / reason</th></tr></thead>
+<table id="trials"><thead><tr><th>#</th><th>state</th>{head}<th>{esc(metric or 'value')}</th><th>s</th>
+<th>failure / reason</th></tr></thead>
 <tbody>
 {chr(10).join(rows)}
 </tbody></table>

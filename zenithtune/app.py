@@ -48,6 +48,11 @@ def compose(conf: ZenithtuneConf) -> tuple[list[str], dict[str, str]]:
     return argv, required_env(lay)
 
 
+def _feed_both(evaluator: Any, memory: PeakMemory, line: str) -> None:
+    evaluator.feed(line)
+    memory.feed(line)
+
+
 def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     """Run one trial: inject this config's params into the command, run it, return its score."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +71,7 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     with signals.armed():  # a stop signal kills this trial's process group and is recorded as interrupted
         res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
                   echo=(lambda line: print(line, flush=True)) if conf.echo else None,
-                  on_line=lambda line: (evaluator.feed(line), memory.feed(line)),
+                  on_line=lambda line: _feed_both(evaluator, memory, line),
                   trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
     failure = classify(res)
     score = None

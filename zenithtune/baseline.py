@@ -82,7 +82,7 @@ class StockProgress(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         logging.getLogger("optuna").setLevel(logging.WARNING)  # "A new study created": the summary says where
         if not isinstance(sys.stderr, _DropLines):
-            sys.stderr = _DropLines(sys.stderr)  # type: ignore[assignment]
+            sys.stderr = _DropLines(sys.stderr)
         self.total = config.hydra.sweeper.get("n_trials", "?")
         print(f"stock hydra/sweeper=optuna ({config.hydra.sweeper.sampler.get('_target_', '').rsplit('.', 1)[-1]}): "
               f"{self.total} trials, every one counts, invalid ones included", flush=True)
@@ -107,7 +107,7 @@ class StockProgress(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if isinstance(sys.stderr, _DropLines):
-            sys.stderr = sys.stderr._stream  # type: ignore[assignment]
+            sys.stderr = sys.stderr._stream
         counts = ", ".join(f"{n} {k}" for k, n in self.kinds.most_common())
         print(f"done: {self.n} trials ({counts or 'none'}); each failed one used up n_trials", flush=True)
         if self.best:

@@ -16,13 +16,16 @@ import argparse
 import re
 import shlex
 import sys
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn
 
 from zenithtune import study as zstudy
 from zenithtune.errors import UserError, ZenithtuneError
-from zenithtune.overrides import hydra_quote, key as _key, merge as _merge, remember_invocation, split_command
+from zenithtune.overrides import hydra_quote, remember_invocation, split_command
+from zenithtune.overrides import key as _key
+from zenithtune.overrides import merge as _merge
 from zenithtune.overrides import value as _param_value
 from zenithtune.settings import group_choices as _group_names
 
@@ -179,7 +182,8 @@ REPLAYED = ("n_gpus", "gbs", "model", "num_layers", "num_query_groups", "seq_len
 
 def replayable(overrides: Sequence[str], source: str) -> list[str]:
     """The stored overrides `apply` replays; a warning names each one it leaves out."""
-    keep, dropped = [], []
+    keep: list[str] = []
+    dropped: list[str] = []
     for o in overrides:
         k = _key(str(o))
         if k in STUDY_ONLY or k.startswith("params."):
@@ -370,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.subcommand is None:
         parser.print_help()
         return 2
-    sub = parser._subparsers._group_actions[0].choices[ns.subcommand]  # type: ignore[union-attr]
+    sub = parser._subparsers._group_actions[0].choices[ns.subcommand]  # type: ignore[union-attr,index]
     if extra:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if command is not None and not command:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
+
 from zenithtune import modelinfo, preflight
 from zenithtune.command import facts, trainer_problem
 from zenithtune.errors import UserError

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import optuna
 from optuna.trial import TrialState

@@ -10,7 +10,8 @@ import json
 import os
 import re
 import shlex
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 # How the user invoked the `zenithtune` CLI (JSON argv), so the sweeper's resume hint after Ctrl-C
 # repeats their own syntax; the environment reaches a sweeper in this process and its launchers.

@@ -85,8 +85,9 @@ class TrialProcess:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialProcess:
-        return cls(**{k: data.get(k) for k in ("marker", "pid", "start_ticks", "host", "boot_id")
-                      if data.get(k) is not None})
+        kw: dict[str, Any] = {k: data[k] for k in ("marker", "pid", "start_ticks", "host", "boot_id")
+                              if data.get(k) is not None}
+        return cls(**kw)
 
     def here(self) -> bool:
         """Whether its processes could still be on this machine (same host, no reboot since)."""

@@ -114,7 +114,9 @@ class Progress(Callbacks):
         self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {ctx.gpu_memory_gb:g} GB from "
                   f"{job.memory_source}), gbs={ctx.gbs}, model: {ctx.model.summary()}")
         self.line(f"space: {s.total} candidates")
-        for kind, title in (("megatron", "Megatron would reject"), ("policy", "zenithtune's policy (prune.policy.<rule>=false keeps them)")):
+        groups = (("megatron", "Megatron would reject"),
+                  ("policy", "zenithtune's policy (prune.policy.<rule>=false keeps them)"))
+        for kind, title in groups:
             removed = s.removed_by(kind)
             if removed:
                 self.line(f"  {title}:")
@@ -145,7 +147,7 @@ class Progress(Callbacks):
         self._update(description=f"trial {number} {describe(cand)}"[:36])
 
     def result(self, o: Outcome, n: int) -> None:
-        if o.ok:
+        if o.ok and o.value is not None:
             if self.best is None or (o.value > self.best if self.direction == "maximize" else o.value < self.best):
                 self.best = o.value
             res = f"-> {o.value:g} {self.metric}"

@@ -134,7 +134,7 @@ class _CappedLog:
 
     def _rotate(self) -> IO[bytes]:
         if self.segment is None:
-            self.file.write(f"# zenithtune: trial.log reached half of log_max_mb={self.max_bytes / 1e6:g}; "
+            self.file.write(f"# zenithtune: trial.log reached half of log_max_mb={(self.max_bytes or 0) / 1e6:g}; "
                             f"the rest goes to {self.path.name}.tail* and its end is appended here when "
                             f"the run ends\n".encode())
             self.file.flush()
@@ -162,7 +162,7 @@ class _CappedLog:
                 self.segment.close()
                 if self.cut:
                     self.file.write(f"# zenithtune: {self.cut} bytes of output cut here "
-                                    f"(log_max_mb={self.max_bytes / 1e6:g} keeps the first and the last part)\n"
+                                    f"(log_max_mb={(self.max_bytes or 0) / 1e6:g} keeps the first and the last part)\n"
                                     .encode())
                 for seg in self.segments:
                     with open(seg, "rb") as src:
@@ -402,7 +402,8 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
         return RunResult(list(argv), None, sink.output(), time.monotonic() - start, False, False, log_path)
 
     process = TrialProcess.started(marker, proc.pid)
-    fd = os.dup(proc.stdout.fileno())  # type: ignore[union-attr]  # the reader owns its descriptor; the Popen object keeps its own
+    assert proc.stdout is not None  # stdout=PIPE
+    fd = os.dup(proc.stdout.fileno())  # the reader owns its descriptor; the Popen object keeps its own
     proc.stdout.close()
     reader = threading.Thread(target=_pump, args=(fd, sink), daemon=True, name="zenithtune-output")
     reader.start()

@@ -124,7 +124,7 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
                                 f"zenithtune's values before `--`, e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- ...")
             raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
     try:
-        data = {k: OmegaConf.to_container(cfg[k], resolve=True, throw_on_missing=True)
+        data: dict[str, Any] = {k: OmegaConf.to_container(cfg[k], resolve=True, throw_on_missing=True)
                 if OmegaConf.is_config(cfg[k]) else cfg[k] for k in cfg if k in names}
     except MissingMandatoryValue as e:  # e.g. evaluator=regex without evaluator.pattern
         key = getattr(e, "full_key", None) or "a value"
@@ -301,7 +301,7 @@ def check_tuned_file(name: str) -> None:
     import yaml
 
     local = Path.cwd() / "conf" / "tuned" / f"{name}.yaml"
-    ours = resources.files("zenithtune.conf").joinpath("tuned", f"{name}.yaml")
+    ours = resources.files("zenithtune.conf").joinpath("tuned").joinpath(f"{name}.yaml")
     path = local if local.is_file() else ours
     try:
         data = yaml.safe_load(path.read_text())

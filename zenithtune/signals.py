@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 # The signals handled like Ctrl-C; SIGINT already raises KeyboardInterrupt.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

@@ -29,8 +29,9 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
 import optuna
 from optuna.trial import TrialState
@@ -183,7 +184,7 @@ def _sqlite_wal(path: Path) -> None:
         raise UserError(f"cannot open sqlite storage {path}: {e}") from None
 
 
-def open_study(url: str, name: str, direction: str, sampler: optuna.samplers.BaseSampler | None = None,
+def open_study(url: str, name: str, direction: Literal["maximize", "minimize"], sampler: optuna.samplers.BaseSampler | None = None,
                create: bool = True, heartbeat_interval: int | None = None,
                grace_period: int | None = None) -> optuna.Study:
     storage = open_storage(url, heartbeat_interval, grace_period)
@@ -303,8 +304,9 @@ class Liveness:
                     pass  # another worker failed (or its owner told) it first
         after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
         stale = sorted(before - after - mine)
-        for number in stale if self.on_stale is not None else ():
-            self.on_stale(number)
+        if self.on_stale is not None:
+            for number in stale:
+                self.on_stale(number)
         return stale
 
 
@@ -360,11 +362,11 @@ class Claims:
         self.study_id = study._study_id
         storage = study._storage
         inner = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in a cache
-        self._engine = getattr(inner, "engine", None) if isinstance(inner, RDBStorage) else None
+        self._engine: Any = getattr(inner, "engine", None) if isinstance(inner, RDBStorage) else None
         self._file: Path | None = None
         if isinstance(storage, JournalStorage):
             backend = storage._backend
-            self._file = Path(str(backend._file_path) + ".claims")
+            self._file = Path(str(getattr(backend, "_file_path")) + ".claims")  # noqa: B009  (no public name)
         self._memory: dict[str, int] = {}
         if self._engine is not None:
             self._table = self._create_table()

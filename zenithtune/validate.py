@@ -18,7 +18,7 @@ Rules whose inputs are unknown (a None field in ModelInfo) do not fire.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -478,7 +478,7 @@ def required_env(lay: Layout, gpu: str | None = None) -> dict[str, str]:
 
 
 def env_errors(lay: Layout, env: dict[str, str] | None = None, gpu: str | None = None) -> list[str]:
-    env = os.environ if env is None else env
-    missing = {k: v for k, v in required_env(lay, gpu).items() if env.get(k) != v}
+    seen: Mapping[str, str] = os.environ if env is None else env
+    missing = {k: v for k, v in required_env(lay, gpu).items() if seen.get(k) != v}
     return [f"using tensor/context parallelism (tp={lay.tp}, cp={lay.cp}) requires setting the environment "
             f"variable {k} to {v}" for k, v in missing.items()]

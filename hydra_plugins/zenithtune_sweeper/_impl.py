@@ -78,6 +78,8 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
                                 f"{direction}: use a new storage")
         return zstudy.open_study(url, name, direction, job.strategy.sampler(),
                                  heartbeat_interval=job.conf.heartbeat_interval, grace_period=job.conf.heartbeat_grace)
+    except ZenithtuneError:
+        raise  # already one line (zenithtune.study says what is wrong with the storage)
     except (sqlalchemy.exc.SQLAlchemyError, ImportError, OSError, ValueError, RuntimeError) as err:
         raise _storage_error(url, err) from None
 
@@ -239,7 +241,7 @@ class StudyRunner:
             return run
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # Hydra's "Error executing job" line: we report it
-                ret.return_value  # re-raises what the entry function raised
+                ret.return_value  # noqa: B018  (the property re-raises what the entry function raised)
         except KeyboardInterrupt:
             raise
         except TrialFailure as err:

@@ -69,7 +69,7 @@ class _Event:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: "_Event") -> float:
+    def elapsed_time(self, end: _Event) -> float:
         return (end._t - self._t) * 1000.0
 
 
