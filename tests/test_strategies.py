@@ -265,3 +265,32 @@ def test_heuristic_does_not_probe_again_after_a_probe_runs_out_of_memory():
     failed = [o for o in launched(loop) if not o.ok]
     assert len(failed) == 1 and failed[0].probe and failed[0].kind == "oom"
     assert sum(o.probe for o in launched(loop)) == 1
+
+
+def test_heuristic_launches_something_when_nothing_fits_with_a_wide_margin():
+    # issue 14: 7 GPUs, gbs 63 on the default simulated Llama-3-8B: 3 candidates pass the memory screen,
+    # none under first_fit's 85 %. The heuristic used to propose nothing; grid finds 436.7 TFLOP/s/GPU.
+    with initialize_config_module("zenithtune.conf"):
+        cfg = compose("config", overrides=["n_gpus=7", "gbs=63", "strategy=heuristic"])
+    job = build_job(cfg)
+    assert any(not job.predicted_oom(c) for c in job.space.walk())
+    loop, why = study(job, 20)
+    runs = launched(loop)
+    assert runs and any(o.ok for o in runs), why
+    assert "nothing is predicted under 85 %" in loop.study.trials[0].user_attrs["why"]
+
+
+@pytest.mark.parametrize("value", [0.0, -3.0, float("nan"), float("inf")])
+def test_heuristic_survives_scores_that_are_not_positive_numbers(value):
+    # issue 10: a stored throughput of 0 (or below) crashed the fit with "math domain error", on every
+    # resume of that study. Such a score teaches nothing about speed; the search goes on around it.
+    job = make_job("heuristic")
+    first = launched(study(make_job("heuristic"), 1)[0])[0]
+    bad = Outcome(dict(first.candidate), "complete", value=value, launched=True, trial_number=0)
+    st = optuna.create_study(direction="maximize", sampler=job.strategy.sampler())
+    loop = StudyLoop(job, st, sim_launch(job))
+    loop.start([bad])  # as a resumed study hands it over
+    loop.run(6)
+    runs = launched(loop)
+    assert runs and all(o.ok and o.value > 0 for o in runs)
+    assert first.candidate not in [o.candidate for o in runs]  # already measured, not launched again
