@@ -106,6 +106,8 @@ def banner(cfg: SimConfig) -> list[str]:
              f"expert-model-parallel size: {lay.ep}, expert-tensor-parallel size: {lay.expert_tp}, "
              f"micro-batches per iteration: {x.m}"]
     lines += list(cfg.notes)
+    if cfg.perturb.active:
+        lines.append(f"[zenithtune.sim] perturbed trainer: {cfg.perturb.describe()}")
     for stage in sorted({0, x.p - 1}):
         prm = physics.stage_params(cfg, stage)
         lines.append(f" > number of parameters on (tensor, pipeline) model parallel rank (0, {stage}): "
