@@ -85,13 +85,15 @@ class Scenario:
     seq: int
     gpu: str = "h100"
     quick: bool = False  # part of --quick
+    sim_options: tuple[str, ...] = ()  # more --sim-* options (benchmarks/robustness.py: the perturbation)
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "zenithtune.sim", *self.shape.split(), f"--seq-length={self.seq}",
                 f"--max-position-embeddings={self.seq}", "--micro-batch-size=1", f"--global-batch-size={self.gbs}",
                 "--train-iters=10", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
                 "--overlap-param-gather", "--log-throughput",
-                f"--sim-gpu={self.gpu}", "--sim-gpus-per-node=8", f"--sim-world-size={self.n_gpus}"]
+                f"--sim-gpu={self.gpu}", "--sim-gpus-per-node=8", f"--sim-world-size={self.n_gpus}",
+                *self.sim_options]
 
 
 SCENARIOS = (
