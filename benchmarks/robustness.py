@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: all)")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                     help=f"comma-separated, of {','.join(STRATEGIES)} (default: %(default)s)")
-    ap.add_argument("--seeds", type=int, default=10, help="perturbation seeds 0..N-1 (default 10)")
+    ap.add_argument("--seeds", default="10",
+                    help="perturbation seeds 0..N-1 (default 10); per strategy: heuristic=10,staged_blackbox=3")
     ap.add_argument("--first-seed", type=int, default=0, help="first perturbation seed (default 0)")
     ap.add_argument("--scale", type=float, default=SCALE, help="largest error per component (default 0.3)")
     ap.add_argument("--n-trials", type=int, default=50, help="launch budget per study")
@@ -229,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         ap.error(f"unknown strategy(ies) {sorted(unknown)}; known: {list(STRATEGIES)}")
-    n_seeds = 3 if args.quick and args.seeds == 10 else args.seeds
-    seeds = list(range(args.first_seed, args.first_seed + n_seeds))
+    try:
+        per = dict(part.split("=") for part in args.seeds.split(",")) if "=" in args.seeds else {}
+        n_default = 3 if args.quick and args.seeds == "10" else (max(map(int, per.values())) if per else int(args.seeds))
+        n_of = {strat: int(per.get(strat, n_default)) for strat in strategies}
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: expected N or strategy=N,strategy=N")
+    seeds = list(range(args.first_seed, args.first_seed + max(n_of.values())))
 
     cache = load_cache()
     sweeps: dict[str, dict[int, Optimum]] = {}
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             tasks.append(("sweep", sc.name, args.scale, missing))
         for strat in strategies:
-            for seed in seeds:
+            for seed in seeds[:n_of[strat]]:
                 task = ("study", sc.name, args.scale, strat, seed, args.n_trials)
                 done = cache.get(_study_key(task))
                 if done:  # the same code already ran this study (see CACHE)
