@@ -22,11 +22,6 @@ How it chooses (each launch says which of these made it):
    OOM, more than halfway from the largest run that fit toward it (after two, nothing past that
    run); a larger MBS or more recomputed layers of a layout that already lost to a smaller one; a
    layout that crashed.
-   Past the memory screen, at most `memory_probes` launches, never after an OOM and only within
-   `probe_reach` of the capacity: the candidate with the best expected gain per risk (its predicted
-   gain over the best, weighed by a rough chance of fitting that falls from 95 % at the capacity to
-   5 % at the reach). Memory evidence (measured peaks, OOMs) is learned per component by the study's
-   `MemoryModel`, so one OOM screens every layout predicted as large, TP/PP/EP included.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster.
 6. Exhausted when nothing left could beat the best: ask() returns None.
@@ -215,7 +210,7 @@ class HeuristicStrategy(Strategy):
         mean, sd, trust = self._residual.predict([i for i, _ in measured], [r for _, r in measured], at)
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
-        probe: tuple[float, Proposal] | None = None
+        probe = None
         for j in np.argsort(-ucb, kind="stable"):
             if ucb[j] <= target * (1 + self.min_gain):
                 break
@@ -228,22 +223,10 @@ class HeuristicStrategy(Strategy):
                    f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best {target:.0f}")
             if fits:
                 return Proposal(dict(cand), why=f"{why}; {mem}")
-            if pred[j] > target * (1 + self.probe_gain) and (risk := self._probe_risk(cand)) is not None:
-                # expected gain per risk: what it would add if it fits, against the chance it does not
-                worth = (pred[j] / target - 1) * (1 - risk) / risk
-                if probe is None or worth > probe[0]:
-                    probe = (worth, Proposal(dict(cand), probe_memory=True, why=(
-                        f"memory probe: {why}, though {mem}; gain {100 * (pred[j] / target - 1):.0f} % at an "
-                        f"estimated {100 * risk:.0f} % risk of OOM, the best ratio past the screen")))
-        return self._granularity_check(best, tried) or (probe[1] if probe else None)
-
-    def _probe_risk(self, c: dict) -> float | None:
-        """Chance (a rough ramp) that a candidate past the memory screen runs out of memory: 5 % at the
-        capacity, certain at `probe_reach` beyond it; None when it may not be probed at all."""
-        if not self._probe_ok(c):
-            return None
-        gb, cap = self.predict_gb(c) or 0.0, self.space.ctx.gpu_memory_gb
-        return min(0.95, max(0.05, 0.05 + 0.9 * (gb / cap - 1) / max(self.probe_reach, 1e-6)))
+            if probe is None and pred[j] > target * (1 + self.probe_gain) and self._probe_ok(cand):
+                probe = Proposal(dict(cand), probe_memory=True,
+                                 why=f"memory probe: {why}, though {mem}; one launch tests the estimate at its edge")
+        return self._granularity_check(best, tried) or probe
 
     def _probe_ok(self, c: dict) -> bool:
         """May this candidate, screened only by the memory estimate, be launched as a probe? Once per
