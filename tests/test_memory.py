@@ -126,19 +126,67 @@ def test_a_config_no_bigger_than_a_success_is_never_pruned():
     assert mm.predicted_oom(Layout(8, 64, mbs=4, **SEL), LLAMA8)
 
 
-def test_scale_moves_toward_measured():
+def _truth(est, weights=1.0, optimizer=1.0, activations=1.0) -> float:
+    """What a trainer whose components differ from the estimate by these factors would allocate."""
+    return (est.weights_gb + est.grads_gb) * weights + est.optimizer_gb * optimizer + est.activations_gb * activations
+
+
+def test_a_measured_config_is_predicted_at_what_it_measured():
     mm = MemoryModel(80)
     lay = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
     est = estimate(lay, LLAMA8)
     before = mm.predict(lay, LLAMA8)
     mm.observe_success(lay, LLAMA8, measured_peak_gb=0.7 * est.allocated_gb)
-    assert mm.scale == pytest.approx(0.7)
-    assert mm.predict(lay, LLAMA8) < before
-    mm.observe_success(lay, LLAMA8, measured_peak_gb=0.9 * est.allocated_gb)
-    mm.observe_success(lay, LLAMA8, measured_peak_gb=0.8 * est.allocated_gb)
-    assert mm.scale == pytest.approx(0.8)  # median: one odd trial does not swing it
+    after = mm.predict(lay, LLAMA8)
+    fixed = est.overhead_gb - memory.FRAGMENTATION * est.allocated_gb
+    assert after < before
+    assert after == pytest.approx(fixed + (1 + memory.FRAGMENTATION) * 0.7 * est.allocated_gb, rel=0.03)
     mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb * 1000)  # MB passed as GB: ignored
-    assert mm.scale == pytest.approx(0.8)
+    assert mm.predict(lay, LLAMA8) == pytest.approx(after)
+
+
+def test_components_are_fitted_apart_when_runs_differ_in_what_dominates():
+    # a trainer whose activations take 40 % more than estimated, weights and optimizer as estimated:
+    # one run at mbs 1 and one at mbs 4 tell the components apart, and an unseen mbs 2 is predicted
+    mm = MemoryModel(80)
+    runs = [Layout(8, 64, tp=2, sequence_parallel=True, mbs=b, **SEL) for b in (1, 4)]
+    for lay in runs:
+        mm.observe_success(lay, LLAMA8, measured_peak_gb=_truth(estimate(lay, LLAMA8), activations=1.4))
+    assert mm.scales["activations"] == pytest.approx(1.4, abs=0.1)
+    assert mm.scales["weights"] == pytest.approx(1.0, abs=0.15)
+    unseen = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
+    est = estimate(unseen, LLAMA8)
+    fixed = est.overhead_gb - memory.FRAGMENTATION * est.allocated_gb
+    true_total = fixed + (1 + memory.FRAGMENTATION) * _truth(est, activations=1.4)
+    assert mm.predict(unseen, LLAMA8) == pytest.approx(true_total, rel=0.03)
+    # one global scale could not do this: it would split the difference between the two runs
+
+
+def test_an_oom_rules_out_other_layouts_whose_learned_estimate_is_as_large():
+    mm = MemoryModel(80)
+    oom = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
+    mm.observe_oom(oom, LLAMA8)
+    bound = mm.predict(oom, LLAMA8)
+    assert bound > mm.limit_gb
+    others = [Layout(8, 64, tp=t, pp=p, sequence_parallel=t > 1, mbs=b, **SEL)
+              for t in (1, 2, 4) for p in (1, 2) for b in (1, 2, 4)]
+    for lay in others:
+        if mm.predict(lay, LLAMA8) >= bound:
+            assert mm.predicted_oom(lay, LLAMA8), lay
+    assert any(lay.tp != 2 and mm.predicted_oom(lay, LLAMA8) for lay in others)  # not only its own layout
+    assert mm.predicted_oom(Layout(8, 64, tp=4, sequence_parallel=True, mbs=1, **SEL), LLAMA8) is None
+
+
+def test_the_oom_message_raises_the_bound_and_reserved_memory_the_fragmentation():
+    lay = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
+    plain, told = MemoryModel(80), MemoryModel(80)
+    plain.observe_oom(lay, LLAMA8)
+    told.observe_oom(lay, LLAMA8, needed_gb=95.0)  # "79 GiB in use" + "tried to allocate 16 GiB"
+    assert told.predict(lay, LLAMA8) >= 95.0 > plain.predict(lay, LLAMA8)
+    mm = MemoryModel(80)
+    est = estimate(lay, LLAMA8)
+    mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb, reserved_gb=1.3 * est.allocated_gb)
+    assert mm.fragmentation == pytest.approx(0.3)
 
 
 def test_memory_model_rejects_bad_settings():
@@ -169,3 +217,19 @@ def test_gpu_capacity(monkeypatch):
 def test_estimate_is_a_value():
     est = MemoryEstimate(1, 2, 3, 4, 5)
     assert est.total_gb == 15 and est.allocated_gb == 10
+
+
+def test_memory_evidence_reads_megatron_memory_lines_and_the_oom_message():
+    from zenithtune.evaluate import memory_evidence
+    from zenithtune.sim import simulate
+    from zenithtune.sim.models import MODELS, layout_args
+
+    ok = simulate([*MODELS["llama3-8b"], *layout_args(n_gpus=8, gbs=64, tp=2)], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    ev = memory_evidence(ok.stdout)
+    assert ev["allocated_gb"] == pytest.approx(ok.max_allocated_mb / 1024, rel=1e-3)
+    assert ev["allocated_gb"] < ev["reserved_gb"] < ok.capacity_gb and "needed_gb" not in ev
+    oom = simulate([*MODELS["llama3-8b"], *layout_args(n_gpus=8, gbs=64, tp=1, mbs=4, recompute="none")],
+                   {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert oom.kind == "oom"
+    assert memory_evidence(oom.stderr)["needed_gb"] > oom.capacity_gb
+    assert memory_evidence("no memory here") == {}

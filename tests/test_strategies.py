@@ -11,12 +11,12 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-from zenithtune.evaluate import peak_memory_mb
-from zenithtune.inject import inject
 from zenithtune import settings
+from zenithtune.inject import inject
 from zenithtune.job import Job, build_job
 from zenithtune.loop import Launched, StudyLoop
 from zenithtune.sim import simulate
+from zenithtune.sim.inprocess import launcher
 from zenithtune.strategies import Outcome
 from zenithtune.validate import required_env
 
@@ -49,20 +49,8 @@ def make_job(strategy: str, *, n_gpus: int = 8, gbs: int = 32, shape: list[str] 
 
 
 def sim_launch(job: Job, oom_if=None):
-    """A launch function: inject the candidate, simulate in-process; `oom_if(cand)` forces an OOM."""
-
-    def launch(number: int, cand: dict, timeout: float | None) -> Launched:
-        if oom_if is not None and oom_if(cand):
-            return Launched(None, "oom", "CUDA out of memory (forced by the test)", 1.0)
-        argv = inject(job.command, job.space.options(cand))
-        res = simulate(argv[argv.index("zenithtune.sim") + 1:], required_env(job.space.layout(cand)))
-        mem = peak_memory_mb(res.stdout)
-        if res.kind == "ok":
-            return Launched(job.evaluator.evaluate(res.stdout), duration=res.wall_seconds,
-                            measured_gb=mem / 1024 if mem else None)
-        return Launched(None, "oom" if res.kind == "oom" else "invalid_args", res.kind, res.wall_seconds)
-
-    return launch
+    """A launch function: the simulator in-process; `oom_if(cand)` forces an OOM."""
+    return launcher(job, oom_if=oom_if)
 
 
 def study(job: Job, n_trials: int, oom_if=None) -> tuple[StudyLoop, str]:
@@ -266,3 +254,32 @@ def test_heuristic_does_not_probe_again_after_a_probe_runs_out_of_memory():
     failed = [o for o in launched(loop) if not o.ok]
     assert len(failed) == 1 and failed[0].probe and failed[0].kind == "oom"
     assert sum(o.probe for o in launched(loop)) == 1
+
+
+def test_heuristic_launches_something_when_nothing_fits_with_a_wide_margin():
+    # issue 14: 7 GPUs, gbs 63 on the default simulated Llama-3-8B: 3 candidates pass the memory screen,
+    # none under first_fit's 85 %. The heuristic used to propose nothing; grid finds 436.7 TFLOP/s/GPU.
+    with initialize_config_module("zenithtune.conf"):
+        cfg = compose("config", overrides=["n_gpus=7", "gbs=63", "strategy=heuristic"])
+    job = build_job(cfg)
+    assert any(not job.predicted_oom(c) for c in job.space.walk())
+    loop, why = study(job, 20)
+    runs = launched(loop)
+    assert runs and any(o.ok for o in runs), why
+    assert "nothing is predicted under 85 %" in loop.study.trials[0].user_attrs["why"]
+
+
+@pytest.mark.parametrize("value", [0.0, -3.0, float("nan"), float("inf")])
+def test_heuristic_survives_scores_that_are_not_positive_numbers(value):
+    # issue 10: a stored throughput of 0 (or below) crashed the fit with "math domain error", on every
+    # resume of that study. Such a score teaches nothing about speed; the search goes on around it.
+    job = make_job("heuristic")
+    first = launched(study(make_job("heuristic"), 1)[0])[0]
+    bad = Outcome(dict(first.candidate), "complete", value=value, launched=True, trial_number=0)
+    st = optuna.create_study(direction="maximize", sampler=job.strategy.sampler())
+    loop = StudyLoop(job, st, sim_launch(job))
+    loop.start([bad])  # as a resumed study hands it over
+    loop.run(6)
+    runs = launched(loop)
+    assert runs and all(o.ok and o.value > 0 for o in runs)
+    assert first.candidate not in [o.candidate for o in runs]  # already measured, not launched again

@@ -16,7 +16,7 @@ from typing import Any
 
 from zenithtune import signals
 from zenithtune.errors import UserError
-from zenithtune.evaluate import NoMetric, PeakMemory
+from zenithtune.evaluate import NoMetric, PeakMemory, memory_evidence
 from zenithtune.inject import inject
 from zenithtune.job import build_setting, screen_params
 from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Launched, write_run
@@ -83,9 +83,11 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
         except NoMetric as e:
             failure = (e.kind, str(e))
     peak = memory.result()
+    evidence = memory_evidence(res.output)  # the output's tail: the OOM message, the last memory lines
     report = Launched(score, failure[0].value if failure else None, failure[1] if failure else "",
                       duration=res.duration if res.duration is not None else time.time() - started,
-                      measured_gb=peak / 1024.0 if peak else None, argv=argv, env=env, log=str(log_path),
+                      measured_gb=peak / 1024.0 if peak else None, reserved_gb=evidence.get("reserved_gb"),
+                      needed_gb=evidence.get("needed_gb"), argv=argv, env=env, log=str(log_path),
                       process=res.process.to_dict() if res.process else None)
     write_run(out_dir / TRIAL_INFO, report)
     if res.interrupted:

@@ -407,3 +407,35 @@ def peak_memory_mb(output: str) -> float | None:
     for line in output.splitlines():
         mem.feed(line)
     return mem.result()
+
+
+# --- memory evidence for the memory model (zenithtune.memory.MemoryModel) ---------------------------
+_MEGATRON_RESERVED = re.compile(rf"memory \(MB\).*?\|\s*max reserved:\s*({_NUMBER})")
+_OOM = re.compile(rf"Tried to allocate ({_NUMBER}) ([GM]i?B).*?this process has ({_NUMBER}) ([GM]i?B) memory in use",
+                  re.DOTALL)
+
+
+def memory_evidence(output: str) -> dict[str, float]:
+    """What a run's log says about memory, in GB (GiB), for the memory model to learn from:
+
+    * ``allocated_gb``: the largest Megatron ``max allocated`` (or ms-swift ``memory(GiB)``);
+    * ``reserved_gb``: the largest ``max reserved`` (the caching allocator's footprint);
+    * ``needed_gb``: from PyTorch's OOM message, memory in use when it failed plus the allocation
+      that failed ("Tried to allocate X GiB ... this process has Y GiB memory in use"): the run
+      needed at least that much.
+
+    Keys are absent when the log does not say (an empty dict for a log without memory lines)."""
+    out: dict[str, float] = {}
+    peak = peak_memory_mb(output)
+    if peak is not None:
+        out["allocated_gb"] = peak / 1024
+    reserved = [float(v) for v in _MEGATRON_RESERVED.findall(output)]
+    if reserved:
+        out["reserved_gb"] = max(reserved) / 1024
+    needs = []
+    for tried, tried_unit, in_use, use_unit in _OOM.findall(output):
+        gb = lambda v, unit: float(v) / (1024 if unit.startswith("M") else 1)  # noqa: E731
+        needs.append(gb(tried, tried_unit) + gb(in_use, use_unit))
+    if needs:
+        out["needed_gb"] = max(needs)
+    return out

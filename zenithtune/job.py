@@ -73,9 +73,9 @@ class Job(Setting):
             return
         args = self.space.memory_args(o.candidate)
         if o.state == "complete":
-            self.memory.observe_success(measured_peak_gb=o.measured_gb, **args)
+            self.memory.observe_success(measured_peak_gb=o.measured_gb, reserved_gb=o.reserved_gb, **args)
         elif o.kind == FailureKind.OOM.value:
-            self.memory.observe_oom(**args)
+            self.memory.observe_oom(needed_gb=o.needed_gb, **args)
 
 
 def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:

@@ -42,6 +42,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.validate import Layout
 
@@ -113,7 +115,7 @@ class _Shape:
         d = m.head_dim or h // a
         glu = m.swiglu is not False
         F = m.ffn_hidden_size or (int(8 * h / 3 / 64) * 64 if glu else 4 * h)
-        E = m.num_experts if m.is_moe else 0
+        E = (m.num_experts or 0) if m.is_moe else 0
         freq = m.moe_layer_freq or 1
         return cls(L=m.num_layers, h=h, a=a, g=m.num_query_groups or a, d=d, F=F,
                    V=m.vocab_size or _ASSUMED_VOCAB, s=m.seq_length or _ASSUMED_SEQ, E=E,
@@ -225,7 +227,7 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
         per_mb = layers * stored_layer
 
     m = layout.microbatches or p
-    in_flight = min(p, m) if p > 1 else 1
+    in_flight: float = min(p, m) if p > 1 else 1
     v = layout.virtual_stages(sh.L)
     if p > 1 and v > 1:
         in_flight *= 1 + (p - 1) / (p * v)
@@ -271,14 +273,27 @@ def gpu_capacity_gb(configured: float | None) -> float:
         return DEFAULT_CAPACITY_GB
 
 
-class MemoryModel:
-    """The estimate, corrected per study by what trials really used.
+# How far the estimate's components may be off before any evidence (the prior of the fit, 1 sd, as a
+# share of each component), and how closely a measured peak pins the fit (share of the measured value).
+COMPONENT_SD = 0.25
+MEASURED_SD = 0.02
 
-    * A success with a measured peak (Megatron's "max allocated") adds a ratio measured/estimated
-      (allocated part only, the fixed overhead is not measured); the scale is their median.
-    * An OOM at estimate E means every config estimated at E or more is OOM too: it is predicted OOM
-      from then on, and the scale is raised so E maps just above the prune limit.
-    * A config whose raw estimate is no larger than one that already succeeded is never pruned.
+
+class MemoryModel:
+    """The estimate, corrected per study by what trials really used (per component, not one scale).
+
+    * Each component of the allocated memory -- weights and grads, optimizer state, activations --
+      has its own multiplier, fitted from every measured peak (Megatron's "max allocated": what
+      PyTorch handed out at the peak, the estimate's allocated part): a Bayesian linear fit with prior
+      1 +- COMPONENT_SD each, so one measurement moves mostly the component that dominates it, and
+      two runs that differ in what dominates (a larger MBS: activations; less TP: weights) separate
+      them. A measured "max reserved" replaces the assumed fragmentation by the measured one.
+    * An OOM adds what it proves: the config needed more than the GPU has (and more than the OOM
+      message's "in use" + "tried to allocate" where known), as a lower bound the fit must respect;
+      and every config whose learned prediction is at least that config's is predicted OOM from then
+      on, whatever its layout (TP, PP, EP, MBS or recompute).
+    * Evidence beats the estimate: a config predicted no larger than one that already ran is never
+      pruned, and a measured config is predicted at what it measured.
     Prune limit: capacity x (1 + safety_margin), since the estimate errs on the high side.
     """
 
@@ -294,27 +309,65 @@ class MemoryModel:
         # estimate() keywords used unless a call passes its own
         self.defaults: dict[str, Any] = {"distributed_optimizer": distributed_optimizer, "overhead_gb": overhead_gb,
                                          "flash_attention": flash_attention}
-        self._ratios: list[float] = []
-        self._oom_scale = 0.0  # the least scale consistent with the OOMs seen
-        self._max_success: float | None = None  # largest raw estimate that ran
-        self._min_oom: float | None = None  # smallest raw estimate that ran out of memory
+        self._measured: list[tuple[np.ndarray, float]] = []  # (components, measured allocated GB)
+        self._bounds: list[tuple[np.ndarray, float]] = []  # (components, allocated GB it needed at least)
+        self._frag: list[float] = []  # measured reserved / allocated
+        self._ok: list[MemoryEstimate] = []  # what ran
+        self._oom: list[MemoryEstimate] = []  # what ran out of memory
+        self._w = np.ones(3)  # learned multipliers: weights+grads, optimizer, activations
 
     @property
     def limit_gb(self) -> float:
         return self.capacity_gb * (1 + self.safety_margin)
 
     @property
-    def scale(self) -> float:
-        """Multiplier on the allocated part of the estimate, learned from this study's trials."""
-        learned = statistics.median(self._ratios) if self._ratios else 1.0
-        return max(learned, self._oom_scale)
+    def scales(self) -> dict[str, float]:
+        """Learned multipliers on the estimate's components (1.0: as estimated)."""
+        return {"weights": float(self._w[0]), "optimizer": float(self._w[1]), "activations": float(self._w[2])}
+
+    @property
+    def fragmentation(self) -> float:
+        return statistics.median(self._frag) - 1 if self._frag else FRAGMENTATION
 
     def _estimate(self, layout: Layout, model: ModelInfo, **kw: Any) -> MemoryEstimate | None:
         return estimate(layout, model, **{**self.defaults, **kw})
 
+    @staticmethod
+    def _x(est: MemoryEstimate) -> np.ndarray:
+        return np.array([est.weights_gb + est.grads_gb, est.optimizer_gb, est.activations_gb])
+
+    def _fixed(self, est: MemoryEstimate) -> float:
+        """The part outside PyTorch's allocator (CUDA context, NCCL): the estimate's overhead without
+        its fragmentation share."""
+        return est.overhead_gb - FRAGMENTATION * est.allocated_gb
+
     def _corrected(self, est: MemoryEstimate) -> float:
-        # the scale applies to what the allocator hands out, and to its fragmentation with it
-        return est.total_gb + (self.scale - 1) * est.allocated_gb * (1 + FRAGMENTATION)
+        return self._fixed(est) + (1 + self.fragmentation) * float(self._x(est) @ self._w)
+
+    def _fit(self) -> None:
+        """Posterior mean of the multipliers given the measured peaks, with each OOM's lower bound as
+        a tight observation while the fit would violate it (a few passes, since one bound's activation
+        moves the others)."""
+        prior = np.full(3, 1 / COMPONENT_SD ** 2)
+        w = np.ones(3)
+        active: set[int] = set()
+        for _ in range(6):
+            rows = [(x, y, MEASURED_SD) for x, y in self._measured]
+            rows += [(*self._bounds[i], MEASURED_SD / 10) for i in sorted(active)]
+            if rows:
+                X = np.array([x for x, _, _ in rows])
+                y = np.array([v for _, v, _ in rows])
+                sd = np.maximum(np.array([r for _, _, r in rows]) * y, 1e-3)
+                A = np.diag(prior) + (X / sd[:, None] ** 2).T @ X
+                b = prior + (X / sd[:, None] ** 2).T @ y
+                w = np.clip(np.linalg.solve(A, b), 0.3, 3.0)
+            now = {i for i, (x, y) in enumerate(self._bounds) if float(x @ w) < y * (1 - 1e-4)}
+            if now <= active:
+                break
+            active |= now
+        # what an OOM proves is not negotiable: whatever the fit left short is made up uniformly
+        short = max((y / float(x @ w) for x, y in self._bounds if float(x @ w) > 0), default=1.0)
+        self._w = w * max(short, 1.0)
 
     def predict(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
         est = self._estimate(layout, model, **kw)
@@ -325,23 +378,29 @@ class MemoryModel:
         est = self._estimate(layout, model, **kw)
         if est is None:
             return None
-        raw = est.total_gb
-        if self._max_success is not None and raw <= self._max_success:
-            return None  # something at least as big already ran
-        if self._min_oom is not None and raw >= self._min_oom:
-            return (f"estimated {raw:.1f} GB >= {self._min_oom:.1f} GB of a configuration that already ran "
-                    f"out of memory")
         need = self._corrected(est)
+        if self._ok and need <= max(self._corrected(e) for e in self._ok) + 1e-9:
+            return None  # something at least as big already ran
+        if self._oom:
+            smallest = min(self._corrected(e) for e in self._oom)
+            if need >= smallest - 1e-9:
+                return (f"predicted {need:.1f} GB >= {smallest:.1f} GB of a configuration that already ran "
+                        f"out of memory")
         if need > self.limit_gb:
+            learned = "" if not (self._measured or self._bounds) else \
+                ", learned " + " ".join(f"{k} x{v:.2f}" for k, v in self.scales.items())
             return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.safety_margin:.2f} "
-                    f"margin ({est.breakdown()}, scale {self.scale:.2f})")
+                    f"margin ({est.breakdown()}{learned})")
         return None
 
-    def observe_success(self, layout: Layout, model: ModelInfo, measured_peak_gb: float | None, **kw: Any) -> None:
+    def observe_success(self, layout: Layout, model: ModelInfo, measured_peak_gb: float | None, *,
+                        reserved_gb: float | None = None, **kw: Any) -> None:
+        """A run that completed; `measured_peak_gb` is Megatron's "max allocated" (None if not
+        printed), `reserved_gb` its "max reserved"."""
         est = self._estimate(layout, model, **kw)
         if est is None:
             return
-        self._max_success = max(self._max_success or 0.0, est.total_gb)
+        self._ok.append(est)
         if measured_peak_gb is None or measured_peak_gb <= 0 or est.allocated_gb <= 0:
             return
         ratio = measured_peak_gb / est.allocated_gb
@@ -349,14 +408,19 @@ class MemoryModel:
             log.warning("memory: ignoring measured %.1f GB against an estimate of %.1f GB (ratio %.2f is "
                         "implausible; wrong unit?)", measured_peak_gb, est.allocated_gb, ratio)
             return
-        self._ratios.append(ratio)
+        self._measured.append((self._x(est), float(measured_peak_gb)))
+        if reserved_gb is not None and 1.0 <= reserved_gb / measured_peak_gb <= 2.0:
+            self._frag.append(reserved_gb / measured_peak_gb)
+        self._fit()
 
-    def observe_oom(self, layout: Layout, model: ModelInfo, **kw: Any) -> None:
+    def observe_oom(self, layout: Layout, model: ModelInfo, *, needed_gb: float | None = None, **kw: Any) -> None:
+        """A run that ran out of memory; `needed_gb` is what the OOM message proves it needed at least
+        (memory in use + the allocation that failed), if known."""
         est = self._estimate(layout, model, **kw)
         if est is None:
             return
-        self._min_oom = min(self._min_oom if self._min_oom is not None else math.inf, est.total_gb)
-        if est.allocated_gb > 0:
-            # smallest scale that puts this config just above the prune limit
-            need = (1 + (self.limit_gb - est.total_gb) / (est.allocated_gb * (1 + FRAGMENTATION))) * (1 + 1e-6)
-            self._oom_scale = max(self._oom_scale, need)
+        self._oom.append(est)
+        need = max(self.limit_gb, needed_gb or 0.0) * (1 + 1e-3)
+        # in allocated terms: what the allocator must have handed out for the total to exceed `need`
+        self._bounds.append((self._x(est), (need - self._fixed(est)) / (1 + self.fragmentation)))
+        self._fit()

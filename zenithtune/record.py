@@ -43,7 +43,9 @@ class Attr:
     DURATION = "duration"  # wall seconds
     TIMEOUT = "timeout"  # the limit the trial ran under
     PREDICTED_GB = "predicted_gb"
-    MEASURED_GB = "measured_gb"
+    MEASURED_GB = "measured_gb"  # Megatron's "max allocated" (GB)
+    RESERVED_GB = "reserved_gb"  # Megatron's "max reserved" (GB)
+    NEEDED_GB = "needed_gb"  # an OOM message's memory in use + the failed allocation (GB)
     STAGE = "stage"  # staged strategies: which stage proposed it
     WHY = "why"  # the strategy's one-line reason
     DUPLICATE_OF = "duplicate_of"
@@ -64,6 +66,8 @@ class Outcome:
     duration: float | None = None
     predicted_gb: float | None = None
     measured_gb: float | None = None
+    reserved_gb: float | None = None
+    needed_gb: float | None = None
     trial_number: int | None = None
     stage: str | None = None
     probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
@@ -91,7 +95,9 @@ class Launched:
     kind: str | None = None  # FailureKind value when value is None
     reason: str = ""
     duration: float | None = None  # wall seconds of the run
-    measured_gb: float | None = None  # peak memory the run printed
+    measured_gb: float | None = None  # peak memory the run printed (max allocated)
+    reserved_gb: float | None = None  # max reserved the run printed
+    needed_gb: float | None = None  # what an OOM message proves the run needed
     argv: list[str] | None = None
     env: dict[str, str] | None = None
     log: str | None = None
@@ -119,6 +125,8 @@ def store(trial: optuna.Trial, o: Outcome) -> None:
         Attr.ARGV: o.argv, Attr.ENV: o.env, Attr.LOG: o.log, Attr.TIMEOUT: o.timeout,
         Attr.DURATION: None if o.duration is None else round(o.duration, 3),
         Attr.MEASURED_GB: None if o.measured_gb is None else round(o.measured_gb, 2),
+        Attr.RESERVED_GB: None if o.reserved_gb is None else round(o.reserved_gb, 2),
+        Attr.NEEDED_GB: None if o.needed_gb is None else round(o.needed_gb, 2),
     }
     for key, value in attrs.items():
         if value is not None:
@@ -143,7 +151,8 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         candidate=dict(a.get(Attr.CANDIDATE) or t.params), state=state,
         value=t.value if state == "complete" else None, kind=kind, reasons=reasons,
         rules=list(a.get(Attr.RULES) or []), launched=launched, duration=a.get(Attr.DURATION),
-        predicted_gb=a.get(Attr.PREDICTED_GB), measured_gb=a.get(Attr.MEASURED_GB), trial_number=t.number,
+        predicted_gb=a.get(Attr.PREDICTED_GB), measured_gb=a.get(Attr.MEASURED_GB),
+        reserved_gb=a.get(Attr.RESERVED_GB), needed_gb=a.get(Attr.NEEDED_GB), trial_number=t.number,
         stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
         argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT))
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.sim.hardware import GPU, GPUS
+from zenithtune.sim.perturb import NONE, Perturbation, from_options
 from zenithtune.validate import Layout
 
 
@@ -71,6 +72,7 @@ class SimConfig:
     noise_pct: float = 0.0  # --sim-noise: run-to-run noise, percent (seeded)
     seed: int = 0  # --sim-seed
     time_scale: float = 0.0  # --sim-time-scale
+    perturb: Perturbation = NONE  # --sim-perturb-seed / --sim-perturb-scale / --sim-perturb (sim/perturb.py)
     notes: tuple[str, ...] = field(default=())  # lines Megatron prints while parsing (padded vocab, ...)
     warnings: tuple[str, ...] = field(default=())  # Megatron-style warnings for stderr
 
@@ -121,7 +123,7 @@ _IGNORED_FLAGS = (
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def megatron_parser() -> _Parser:
     """Built once per process: building argparse costs more than parsing with it."""
     p = _Parser(prog="pretrain_gpt.py", description="Megatron-LM Arguments (zenithtune simulator)",
@@ -200,7 +202,22 @@ def megatron_parser() -> _Parser:
     p.add_argument("--sim-seed", type=int, default=0, help="seed of --sim-noise")
     p.add_argument("--sim-time-scale", type=float, default=0.0,
                    help="sleep this x the simulated wall time (0: instant)")
+    add_perturb_options(p.add_argument, "--sim-perturb-seed", "--sim-perturb-scale", "--sim-perturb")
     return p
+
+
+def add_perturb_options(add: Any, seed: str, scale: str, factors: str) -> None:
+    """The perturbation options (both flavours spell them their own way)."""
+    add(seed, type=int, default=None, help="draw per-component errors of memory and speed from this seed")
+    add(scale, type=float, default=0.3, help="largest drawn error per component (0.3: +-30 %%)")
+    add(factors, default=None, help="explicit factors, e.g. ep_comm=1.3,activations=1.2 (sim/perturb.py)")
+
+
+def perturbation(args: Any) -> Perturbation:
+    try:
+        return from_options(args.sim_perturb_seed, args.sim_perturb_scale, args.sim_perturb)
+    except ValueError as err:
+        raise ConfigError(str(err), "ValueError") from None
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -318,7 +335,7 @@ def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         tp_comm_overlap=args.tp_comm_overlap, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, log_throughput=args.log_throughput, vision=vision,
-        noise_pct=args.sim_noise, seed=args.sim_seed, time_scale=args.sim_time_scale,
+        noise_pct=args.sim_noise, seed=args.sim_seed, time_scale=args.sim_time_scale, perturb=perturbation(args),
         notes=tuple(notes), warnings=tuple(warnings))
 
 

@@ -16,6 +16,7 @@ ours and written in the row (GPT shapes: MHA, GELU MLP 4h, untied embeddings):
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def hardware_tflops(row: Row, res: SimResult) -> float:
     B, s, L, h, V = (_arg(a, k) for k in ("--global-batch-size", "--seq-length", "--num-layers",
                                            "--hidden-size", "--vocab-size"))
     flops = 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-    return flops / (res.iter_seconds * 1e12 * row.n_gpus)
+    return flops / ((res.iter_seconds or math.inf) * 1e12 * row.n_gpus)
 
 
 def simulated(row: Row) -> tuple[float | None, SimResult]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from zenithtune.sim.trainer import SimResult
 

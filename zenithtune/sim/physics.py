@@ -84,10 +84,11 @@ def shape_of(cfg: SimConfig) -> Shape:
     L, h, a = mod.num_layers, mod.hidden_size, mod.num_attention_heads
     E = mod.num_experts or 0
     freq = mod.moe_layer_freq or 1
-    L_moe = len(range(0, L, freq)) if E > 1 else 0
+    L_moe = len(range(0, L or 0, freq)) if E > 1 else 0
+    # The simulator's arguments resolve every size (sim.arguments), so none is None here.
     return Shape(
-        L=L, h=h, F=mod.ffn_hidden_size, a=a, g=mod.num_query_groups or a, d=mod.head_dim, V=mod.vocab_size,
-        s=mod.seq_length, E=E, k=mod.moe_router_topk or 0, Fm=mod.moe_ffn_hidden_size or 0,
+        L=L, h=h, F=mod.ffn_hidden_size, a=a, g=mod.num_query_groups or a, d=mod.head_dim, V=mod.vocab_size,  # type: ignore[arg-type]
+        s=mod.seq_length, E=E, k=mod.moe_router_topk or 0, Fm=mod.moe_ffn_hidden_size or 0,  # type: ignore[arg-type]
         Fs=mod.moe_shared_expert_size or 0, L_moe=L_moe, gated=3 if mod.swiglu else 2,
         t=lay.tp, p=lay.pp, c=lay.cp, e=lay.ep, et=lay.expert_tp, dp=lay.dp, edp=max(lay.expert_dp, 1),
         b=lay.mbs, m=lay.microbatches, v=lay.virtual_stages(L), sp=lay.sp_active, gpn=cfg.gpus_per_node)
@@ -182,8 +183,9 @@ def _layer_activation_bytes(cfg: SimConfig, x: Shape, moe: bool, stored: str) ->
     """Saved bytes of one layer for one micro-batch on one rank (Korthikanti et al., generalised to
     GQA, SwiGLU, MoE and dropout-free runs). stored: "all" | "selective" | "input" (full recompute)."""
     seq_split = x.t if x.sp else 1
+    act = cfg.perturb.activations
     if stored == "input":
-        return 2.0 * x.h * x.tok / seq_split
+        return act * 2.0 * x.h * x.tok / seq_split
     masks = (2 if cfg.hidden_dropout > 0 else 0)  # two 1-byte dropout masks per token x h
     seq_part = (8.0 + masks) * x.h  # LN inputs, QKV and FC1 inputs (2 bytes each) + masks
     qkv = 2.0 * (x.a * x.d / x.t + 2 * x.d * x.g_rank)
@@ -191,7 +193,8 @@ def _layer_activation_bytes(cfg: SimConfig, x: Shape, moe: bool, stored: str) ->
     if moe:
         expert = x.k * MOE_IMBALANCE * (4.0 * x.h + 2.0 * x.gated * x.Fm) / x.t  # routed copies, FC1, act
         shared = 2.0 * x.gated * x.Fs / x.t if x.Fs else 0.0
-        tensor_part += expert + shared + 4.0 * x.E / x.t
+        # the perturbation scales the routed part on its own; `act` below scales the rest
+        tensor_part += expert * cfg.perturb.expert_activations / act + shared + 4.0 * x.E / x.t
     else:
         tensor_part += 2.0 * x.gated * x.F / x.t  # FC1 output(s) + activation output
     per_token = seq_part / seq_split + tensor_part
@@ -199,7 +202,7 @@ def _layer_activation_bytes(cfg: SimConfig, x: Shape, moe: bool, stored: str) ->
         # unfused attention keeps softmax (2), its dropout mask (1) and output (2) per score
         per_score = 5.0 if cfg.attention_dropout > 0 else 2.0
         per_token += per_score * x.a * (x.s / x.c) / x.t
-    return per_token * x.tok
+    return act * per_token * x.tok
 
 
 def stage_memory(cfg: SimConfig, stage: int) -> StageMemory:
@@ -212,11 +215,13 @@ def stage_memory(cfg: SimConfig, stage: int) -> StageMemory:
         w_bytes, g_bytes, o_bytes = 4.0, 4.0, 8.0
     dense_shards = x.dp * x.c if cfg.distributed_optimizer else 1
     expert_shards = x.edp if cfg.distributed_optimizer else 1
-    weights = (prm.dense + prm.expert) * w_bytes
-    grads = (prm.dense + prm.expert) * g_bytes
+    pert = cfg.perturb
+    weights = (prm.dense + prm.expert) * w_bytes * pert.weights
+    grads = (prm.dense + prm.expert) * g_bytes * pert.weights
     optimizer = o_bytes * (prm.dense / dense_shards + prm.expert / expert_shards)
     if cfg.distributed_optimizer:
         optimizer += 0.02 * (prm.dense + prm.expert) * g_bytes  # shard padding and bucket alignment
+    optimizer *= pert.optimizer
 
     # micro-batches whose activations stage `stage` holds at the 1F1B peak
     if x.v > 1:
@@ -247,6 +252,7 @@ def stage_memory(cfg: SimConfig, stage: int) -> StageMemory:
         working = 0.5 * full_layer  # the backward of one layer allocates its gradients
     seq_split = x.t if x.sp else 1
     embed_out = (2.0 + (1 if cfg.hidden_dropout > 0 else 0)) * x.h * x.tok / seq_split if stage == 0 else 0.0
+    embed_out *= pert.activations
     activations = in_flight * (saved + embed_out)
     if stage == 0 and cfg.vision is not None:
         vis = cfg.vision
@@ -254,16 +260,16 @@ def stage_memory(cfg: SimConfig, stage: int) -> StageMemory:
         per_vit_layer = (30.0 * vis.hidden_size + 4.0 * vis.ffn_hidden_size) * vtok / x.t
         vit = (vis.num_layers * 2.0 * vis.hidden_size * vtok / x.t + per_vit_layer) if vis.checkpointing \
             else vis.num_layers * per_vit_layer
-        activations += in_flight * vit
+        activations += in_flight * vit * pert.activations
 
-    logits = LOGITS_BYTES * x.tok * x.V / x.t if stage == x.p - 1 else 0.0
+    logits = LOGITS_BYTES * x.tok * x.V / x.t * pert.logits if stage == x.p - 1 else 0.0
     transient = working + logits + WORKSPACE_GIB * GIB
     candidates = {  # the single biggest allocations of a step, by where they happen
-        "megatron/core/tensor_parallel/cross_entropy.py": 4.0 * x.tok * x.V / x.t if logits else 0.0,
+        "megatron/core/tensor_parallel/cross_entropy.py": 4.0 * x.tok * x.V / x.t * pert.logits if logits else 0.0,
         "megatron/core/transformer/mlp.py": 2.0 * x.tok * max(x.gated - 1, 1) * (x.F or x.Fm) / x.t,
         "megatron/core/transformer/transformer_layer.py": 2.0 * x.tok * x.h,
     }
-    site = max(candidates, key=candidates.get)
+    site = max(candidates, key=lambda k: candidates[k])
     return StageMemory(stage, weights, grads, optimizer, activations, transient, candidates[site], site)
 
 

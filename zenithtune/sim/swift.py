@@ -15,12 +15,21 @@ import os
 import sys
 from dataclasses import replace
 from datetime import timedelta
-from functools import lru_cache
+from functools import cache
 
 from zenithtune.modelinfo import info_from_config
 from zenithtune.sim import physics
-from zenithtune.sim.arguments import (ConfigError, SimConfig, Vision, _Parser, check_overlap_flags, padded_vocab,
-                                      world_size)
+from zenithtune.sim.arguments import (
+    ConfigError,
+    SimConfig,
+    Vision,
+    _Parser,
+    add_perturb_options,
+    check_overlap_flags,
+    padded_vocab,
+    perturbation,
+    world_size,
+)
 from zenithtune.sim.hardware import GPUS
 from zenithtune.sim.trainer import EPOCH, Event, SimResult, finish, prepare, run_config
 from zenithtune.validate import Layout
@@ -60,7 +69,7 @@ def _add_bool(p: argparse.ArgumentParser, name: str, default: bool) -> None:
     _add(p, name, type=_bool, nargs="?", const=True, default=default)
 
 
-@lru_cache(maxsize=None)
+@cache
 def swift_parser() -> _Parser:
     p = _Parser(prog="megatron sft", allow_abbrev=False)
     _add(p, "model")
@@ -92,6 +101,8 @@ def swift_parser() -> _Parser:
     _add(p, "sim_noise", type=float, default=0.0)
     _add(p, "sim_seed", type=int, default=0)
     _add(p, "sim_time_scale", type=float, default=0.0)
+    add_perturb_options(lambda name, **kw: _add(p, name, **kw), "sim_perturb_seed", "sim_perturb_scale",
+                        "sim_perturb")
     return p
 
 
@@ -157,7 +168,8 @@ def parse_swift(argv: list[str], env: dict[str, str]) -> SimConfig:
         flash_attention=args.attention_backend in ("auto", "flash", "fused"), hidden_dropout=0.0,
         attention_dropout=0.0, tp_comm_overlap=args.tp_comm_overlap, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, log_throughput=False, vision=vision,
-        noise_pct=args.sim_noise, seed=args.sim_seed, time_scale=args.sim_time_scale, notes=tuple(notes),
+        noise_pct=args.sim_noise, seed=args.sim_seed, time_scale=args.sim_time_scale, perturb=perturbation(args),
+        notes=tuple(notes),
         warnings=tuple(warnings))
 
 

@@ -69,6 +69,7 @@ class _Clock:
         self.nvlink = gpu.nvlink_gbps * 1e9
         self.network = gpu.network_gbps * 1e9
         self.gpn = cfg.gpus_per_node
+        self.gemm_frac *= cfg.perturb.gemm  # a perturbed trainer's kernels (sim/perturb.py)
 
     def gemm(self, m: float, n: float, k: float, factor: float = 1.0) -> float:
         # efficiency saturates with every dimension: eff = peak_frac / (1 + X0/m + X0/n + X0/k)
@@ -142,7 +143,7 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
         elem += x.k * MOE_IMBALANCE * (8.0 * x.h + 2.0 * x.gated * x.Fm / x.et) * x.et / x.t  # permute + act
         if x.e > 1:
             nbytes = (tok / seq_split) * x.k * x.h * 2.0 * (x.e - 1) / x.e
-            ep = 2 * _all_to_all(clk, x, nbytes) * EP_EXPOSED  # dispatch + combine
+            ep = 2 * _all_to_all(clk, x, nbytes) * EP_EXPOSED * cfg.perturb.ep_comm  # dispatch + combine
     else:
         gemm += clk.gemm(tok, (x.gated - 1) * x.F / x.t, x.h) + clk.gemm(tok, x.h, x.F / x.t)
         elem += 2.0 * x.gated * x.F / x.t
@@ -167,6 +168,7 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
         else:
             comm = 4 * one
         exp_f, exp_b = TP_EXPOSED_OVERLAP if cfg.tp_comm_overlap else TP_EXPOSED
+        comm *= cfg.perturb.tp_comm
         tp_f = comm - min((1 - exp_f) * comm, 0.8 * gemm)
         tp_b = comm - min((1 - exp_b) * comm, 1.6 * gemm)
 
@@ -176,6 +178,7 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
         kv = 2.0 * 2.0 * tok * x.d * x.g_rank  # K and V, bf16
         bw, lat = clk.link(x.t * x.c)
         step = kv / bw + lat
+        step *= cfg.perturb.cp_comm
         cp_f = (x.c - 1) * max(lat, step - attn_fwd / x.c)
         cp_b = (x.c - 1) * max(lat, 2 * step - attn_bwd / x.c)  # dK, dV travel back too
 
@@ -236,7 +239,7 @@ def iteration_time(cfg: SimConfig) -> IterationTime:
     p2p = 0.0
     if x.p > 1:
         bw, lat = clk.link(x.t * x.c * x.dp + 1)
-        p2p = x.v * 2 * (2.0 * tok * x.h / seq_split / bw + lat) * P2P_EXPOSED
+        p2p = x.v * 2 * (2.0 * tok * x.h / seq_split / bw + lat) * P2P_EXPOSED * cfg.perturb.pp_comm
 
     stage_f = [layer_fwd] * x.p
     stage_b = [layer_bwd] * x.p
@@ -247,7 +250,7 @@ def iteration_time(cfg: SimConfig) -> IterationTime:
     per_mb = [f + b + p2p for f, b in zip(stage_f, stage_b, strict=True)]
     slowest = max(per_mb)
     mean = sum(per_mb) / len(per_mb)
-    bubble = (x.p - 1) / x.v * mean
+    bubble = (x.p - 1) / x.v * mean * cfg.perturb.pp_comm  # a perturbed trainer's pipeline schedule
     pipeline = x.m * slowest + bubble
 
     # data parallel: grads reduce-scattered (all-reduced) and params all-gathered over DP x CP
@@ -273,7 +276,7 @@ def iteration_time(cfg: SimConfig) -> IterationTime:
         ag_exposed = max(DP_MIN_EXPOSED * ag, ag - 0.9 * stage_f[0])
     else:
         ag_exposed = ag
-    dp_comm = rs_exposed + ag_exposed
+    dp_comm = (rs_exposed + ag_exposed) * cfg.perturb.dp_comm
 
     shards = dense_group if cfg.distributed_optimizer else 1
     eshards = expert_group if cfg.distributed_optimizer else 1

@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Callable, Literal
+from typing import Literal
 
 from zenithtune.sim import physics, timing
 from zenithtune.sim.arguments import ArgumentError, ConfigError, SimConfig, parse_megatron
@@ -106,6 +107,8 @@ def banner(cfg: SimConfig) -> list[str]:
              f"expert-model-parallel size: {lay.ep}, expert-tensor-parallel size: {lay.expert_tp}, "
              f"micro-batches per iteration: {x.m}"]
     lines += list(cfg.notes)
+    if cfg.perturb.active:
+        lines.append(f"[zenithtune.sim] perturbed trainer: {cfg.perturb.describe()}")
     for stage in sorted({0, x.p - 1}):
         prm = physics.stage_params(cfg, stage)
         lines.append(f" > number of parameters on (tensor, pipeline) model parallel rank (0, {stage}): "

@@ -23,8 +23,9 @@ on the last outcome sets ``sequential = True`` and is asked once per wave.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from zenithtune.record import Outcome
 
@@ -86,7 +87,7 @@ class Strategy(ABC):
         if not done:
             return None
         pick = max if self.direction == "maximize" else min
-        return pick(done, key=lambda o: o.value)
+        return pick(done, key=lambda o: float(o.value or 0.0))  # `done` holds complete trials only
 
     def tried_keys(self) -> set[tuple]:
         """Keys of every candidate told (launched or not) or pending in the current wave."""

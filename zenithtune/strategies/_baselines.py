@@ -2,7 +2,8 @@
 ZenithTune's heuristic (MEGATRON.md §Upstream), both behind the same interface as ours."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from zenithtune.record import Outcome
 from zenithtune.strategies._base import Proposal, Strategy, tpe_sampler
@@ -39,7 +40,7 @@ class TPEStrategy(Strategy):
         return Proposal({}, why="tpe")
 
 
-_RECOMPUTE = {"selective": {"recompute_granularity": "selective"},
+_RECOMPUTE: dict[str, dict[str, Any]] = {"selective": {"recompute_granularity": "selective"},
               "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
 
 

@@ -22,7 +22,8 @@ heuristic explores instead of trusting a prior that has just been shown wrong.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

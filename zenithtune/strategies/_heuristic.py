@@ -158,6 +158,13 @@ class HeuristicStrategy(Strategy):
         v = float(o.value)  # type: ignore[arg-type]
         return v if self.direction == "maximize" else 1.0 / max(v, 1e-12)
 
+    @staticmethod
+    def _usable(o: Outcome) -> bool:
+        """A score the search can learn from: finite and positive. Throughput and seconds per
+        iteration are both; anything else (0 from a broken log line, nan, a value stored by an older
+        tuner in a resumed study) carries no information about speed and must not crash the fit."""
+        return o.ok and math.isfinite(float(o.value)) and float(o.value) > 0  # type: ignore[arg-type]
+
     def _ruled_out(self, c: dict) -> str | None:
         """Why measurements rule this candidate out, or None."""
         lay, rec, mbs = _lay(c), _rec(c), c.get("mbs", 1)
@@ -173,7 +180,7 @@ class HeuristicStrategy(Strategy):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
         # dominance along the ladders of one layout: a larger MBS (same recompute) or more block
         # layers (same MBS) that already lost against a smaller one is not pushed further
-        runs = {self.space.key(o.candidate): o for o in self.history if o.ok and _lay(o.candidate) == lay}
+        runs = {self.space.key(o.candidate): o for o in self.history if self._usable(o) and _lay(o.candidate) == lay}
         same = [o for o in runs.values() if _rec(o.candidate) == rec]
         for a in same:
             for b in same:
@@ -190,7 +197,7 @@ class HeuristicStrategy(Strategy):
     # --- proposing ----------------------------------------------------------------------------------
     def ask(self) -> Proposal | None:
         tried = self.tried_keys()  # told, or pending in this wave (parallel_trials): the next best
-        ok = [o for o in self.history if o.ok]
+        ok = [o for o in self.history if self._usable(o)]
         if not ok:
             return self._first(tried)
         best = max(ok, key=self._speed)
@@ -242,6 +249,16 @@ class HeuristicStrategy(Strategy):
             if fits:
                 return Proposal(dict(cand), why=f"first run: highest prior ({self._prior[i]:.0f}) that surely fits "
                                 f"({mem}); {self._layout_note(cand)}")
+        # Nothing fits with the wide margin (a space whose every layout is near the memory limit, e.g.
+        # 7 GPUs): rather than give up while valid candidates remain, start with the one predicted to
+        # need the least memory among those the study's screen lets through.
+        fallback = [(self.predict_gb(c) or 0.0, i) for i, c in enumerate(self._pool)
+                    if self._keys[i] not in tried and not self._ruled_out(c) and self._fits(c, None)[0]]
+        if fallback:
+            gb, i = min(fallback)
+            cand = self._pool[i]
+            return Proposal(dict(cand), why=f"first run: nothing is predicted under {100 * self.first_fit:.0f} % of "
+                            f"memory, so the least memory ({gb:.0f} GB) of what may fit; {self._layout_note(cand)}")
         return None
 
     def _granularity_check(self, best: Outcome, tried: set[tuple]) -> Proposal | None:

@@ -21,8 +21,9 @@ uses it to order candidates. Hardware defaults are an H100 node (989 TFLOP/s bf1
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from zenithtune.modelinfo import ModelInfo
 
