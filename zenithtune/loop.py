@@ -93,6 +93,7 @@ class StudyLoop:
         prior = [o for o in prior if o.kind != FailureKind.INTERRUPTED.value]
         strategy = self.job.strategy
         strategy.direction = self.job.evaluator.direction
+        strategy.metric = self.job.evaluator.metric_name
         strategy.setup(self.job.space, self.job.memory, prior)
         for o in prior:
             self._learn(o)

@@ -55,6 +55,7 @@ class Strategy(ABC):
     """Base class of every search strategy (see the module docstring for its life)."""
 
     direction: Literal["maximize", "minimize"] = "maximize"
+    metric: str = "TFLOP/s/GPU"  # the evaluator's unit (the study loop sets both before setup)
     sequential: bool = False  # True: one proposal per wave (the next depends on the last outcome)
     # An exhaustive strategy proposes each candidate once and ends by itself: the study loop never stops
     # it for proposals it could not launch (a sampler may repeat; an exhaustive one must mean all).

@@ -158,6 +158,11 @@ class HeuristicStrategy(Strategy):
         v = float(o.value)  # type: ignore[arg-type]
         return v if self.direction == "maximize" else 1.0 / max(v, 1e-12)
 
+    def _shown(self, speed: float) -> str:
+        """A rate as the evaluator reports it (s/it for ms-swift is the inverse of a rate)."""
+        v = speed if self.direction == "maximize" else 1.0 / max(speed, 1e-12)
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
     @staticmethod
     def _usable(o: Outcome) -> bool:
         """A score the search can learn from: finite and positive. Throughput and seconds per
@@ -207,7 +212,12 @@ class HeuristicStrategy(Strategy):
         at = np.array([i for i, k in enumerate(self._keys) if k not in tried], dtype=int)
         if not len(at):
             return None
-        mean, sd, trust = self._residual.predict([i for i, _ in measured], [r for _, r in measured], at)
+        # The prior is in model TFLOP/s/GPU. Scored in another unit (s/it, samples/s, a regex's number),
+        # the residuals share one large offset, the unit conversion: take it out before the correction
+        # is learned (whose shrinkage toward the prior would otherwise predict nonsense) and put it back.
+        offset = 0.0 if self.metric.startswith("TFLOP/s") else float(np.mean([r for _, r in measured]))
+        mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at)
+        mean = mean + offset
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         probe = None
@@ -218,9 +228,12 @@ class HeuristicStrategy(Strategy):
             if self._ruled_out(cand):
                 continue
             fits, mem = self._fits(cand, self.fit)
-            why = (f"{self._role(cand, best.candidate)}: predicted {pred[j]:.0f} +-{100 * sd[j]:.0f}% (prior "
-                   f"{self._prior[at[j]]:.0f} x {math.exp(mean[j]):.2f} learned from {len(measured)} runs"
-                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best {target:.0f}")
+            ratio = math.exp(mean[j])  # the prior is in model TFLOP/s; this maps it onto the evaluator's rate
+            scale = f"{ratio:.2f}" if 0.01 <= ratio < 100 else f"{ratio:.3g}"
+            why = (f"{self._role(cand, best.candidate)}: predicted {self._shown(pred[j])} +-{100 * sd[j]:.0f}% "
+                   f"(prior {self._prior[at[j]]:.0f} TFLOP/s x {scale} "
+                   f"learned from {len(measured)} runs"
+                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best {self._shown(target)}")
             if fits:
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             if probe is None and pred[j] > target * (1 + self.probe_gain) and self._probe_ok(cand):
