@@ -24,7 +24,7 @@ def test_help_shows_usage_examples_groups_and_keys(tmp_path: Path) -> None:
     assert "python -m zenithtune -m [key=value ...]" in out          # -m for a study
     assert "[-- COMMAND ...]" in out and "-- torchrun --nproc-per-node 8" in out
     assert "strategy: grid, heuristic, random, staged_blackbox, tpe, upstream" in out
-    assert "evaluator: megatron_throughput, regex, swift_speed" in out
+    assert "evaluator: iteration_time, megatron_throughput, regex, swift_speed" in out
     assert "tuned: llama8b_8xh100" in out                          # the user's own tuned configs
     assert "n_gpus, gbs" in out and "n_trials" in out and "save_tuned=NAME" in out
     assert len(out.splitlines()) < 60  # a screen, not a config dump
