@@ -3,6 +3,7 @@ promises of its own. Studies run in-process: the real Job (composed from conf/),
 an in-memory Optuna study, and the built-in simulator called as a function."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 
@@ -53,9 +54,18 @@ def sim_launch(job: Job, oom_if=None):
     return launcher(job, oom_if=oom_if)
 
 
-def study(job: Job, n_trials: int, oom_if=None) -> tuple[StudyLoop, str]:
+def study(job: Job, n_trials: int, oom_if=None, memory_report: bool = True) -> tuple[StudyLoop, str]:
+    """`memory_report=False`: a trainer that prints no memory line (the memory model learns nothing
+    from a success, only from an OOM)."""
     st = optuna.create_study(direction=job.evaluator.direction, sampler=job.strategy.sampler())
-    loop = StudyLoop(job, st, sim_launch(job, oom_if))
+    launch = sim_launch(job, oom_if)
+    if not memory_report:
+        plain = launch
+
+        def launch(number: int, cand: dict, timeout: float | None) -> Launched:
+            return dataclasses.replace(plain(number, cand, timeout), measured_gb=None, reserved_gb=None)
+
+    loop = StudyLoop(job, st, launch)
     loop.start([])
     return loop, loop.run(n_trials)
 
@@ -235,22 +245,24 @@ def test_heuristic_measures_full_recompute_where_it_wins():
 
 
 def test_heuristic_probes_once_past_a_pessimistic_memory_screen():
-    # The study believes the GPU has 18 GB; the simulated A100 has 39.4 GiB, so the screen wrongly
-    # removes the fastest layouts. One budgeted launch past it finds them; without it they stay lost.
-    loop0, _ = study(make_job("heuristic", extra=("gpu_memory_gb=18", "strategy.memory_probes=0")), 30)
-    loop1, _ = study(make_job("heuristic", extra=("gpu_memory_gb=18",)), 30)
+    # The study believes the GPU has 16 GB; the simulated A100 has 39.4 GiB, so the screen wrongly
+    # removes the fastest layouts. From a trainer that prints no memory report (the estimate cannot
+    # learn), one budgeted launch past the screen finds them; without it they stay lost.
+    loop0, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16", "strategy.memory_probes=0")), 30,
+                     memory_report=False)
+    loop1, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16",)), 30, memory_report=False)
     best0 = max(o.value for o in launched(loop0) if o.ok)
     best1 = max(o.value for o in launched(loop1) if o.ok)
     probes = [o for o in launched(loop1) if o.probe]
     assert not any(o.probe for o in launched(loop0))
     assert len(probes) == 1 and probes[0].ok
-    assert 18 < probes[0].predicted_gb <= 18 * 1.10  # just past the screen, within probe_reach
+    assert 16 < probes[0].predicted_gb <= 16 * 1.10  # just past the screen, within probe_reach
     assert best1 > best0 * 1.01
 
 
 def test_heuristic_does_not_probe_again_after_a_probe_runs_out_of_memory():
-    job = make_job("heuristic", extra=("gpu_memory_gb=18",))
-    loop, _ = study(job, 30, oom_if=lambda cand: (job.predict_gb(cand) or 0) > 18 * 1.02)
+    job = make_job("heuristic", extra=("gpu_memory_gb=16",))
+    loop, _ = study(job, 30, oom_if=lambda cand: (job.predict_gb(cand) or 0) > 16 * 1.02, memory_report=False)
     failed = [o for o in launched(loop) if not o.ok]
     assert len(failed) == 1 and failed[0].probe and failed[0].kind == "oom"
     assert sum(o.probe for o in launched(loop)) == 1
@@ -261,7 +273,7 @@ def test_heuristic_launches_something_when_nothing_fits_with_a_wide_margin():
     # none under first_fit's 85 %. The heuristic used to propose nothing; grid finds 436.7 TFLOP/s/GPU.
     with initialize_config_module("zenithtune.conf"):
         cfg = compose("config", overrides=["n_gpus=7", "gbs=63", "strategy=heuristic"])
-    job = build_job(cfg)
+    job = build_job(settings.load(cfg))
     assert any(not job.predicted_oom(c) for c in job.space.walk())
     loop, why = study(job, 20)
     runs = launched(loop)
