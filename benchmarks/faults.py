@@ -31,6 +31,9 @@ from zenithtune.processes import kill_leftovers  # noqa: E402
 from zenithtune.run import FailureKind, RunResult, classify, run  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(ROOT / "tests"))
+from fixtures.filling_disk import FillingDisk  # noqa: E402
+
 PRINTER = [sys.executable, str(FIXTURES / "printer.py")]
 ESCAPE = [sys.executable, str(FIXTURES / "escape_tree.py")]
 
@@ -134,30 +137,12 @@ def _dev_full(tmp: Path) -> str | None:
     return None if got and got[0] is FailureKind.LOG_WRITE else f"got {got}"
 
 
-class _FillingDisk:
-    def __init__(self, path: Path, room: int) -> None:
-        self.file, self.room, self.closed = open(path, "wb"), room, False
-
-    def write(self, data: bytes) -> int:
-        if len(data) > self.room:
-            raise OSError(28, "No space left on device")
-        self.room -= len(data)
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def close(self) -> None:
-        self.closed = True
-        self.file.close()
-
-
 @case("disk fills up mid-run (trainer keeps printing, then sleeps)", "#10.3")
 def _disk_fills(tmp: Path) -> str | None:
     import zenithtune.run as runmod
 
     saved = runmod._open_log
-    runmod._open_log = lambda path: _FillingDisk(path, 1_000_000)  # type: ignore[assignment]
+    runmod._open_log = lambda path: FillingDisk(path, 1_000_000)  # type: ignore[assignment]
     try:
         res = run([*PRINTER, "noise=5e6", "sleep=60", "tflops=1.0"], log_path=tmp / "trial.log", timeout=90,
                   grace=0.5)

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from fixtures.filling_disk import FillingDisk  # tests/ is on sys.path under pytest
 
 from zenithtune.processes import kill_leftovers
 from zenithtune.run import FailureKind, RunResult, classify, command_problem, run
@@ -206,31 +207,9 @@ def test_full_disk_before_start_fails_clearly(tmp_path: Path) -> None:
                                                     "free disk space or lower log_max_mb")
 
 
-class _FillingDisk:
-    """A log file on a disk that fills up after ``room`` bytes."""
-
-    def __init__(self, path: Path, room: int) -> None:
-        self.file = open(path, "wb")
-        self.room = room
-        self.closed = False
-
-    def write(self, data: bytes) -> int:
-        if len(data) > self.room:
-            raise OSError(28, "No space left on device")
-        self.room -= len(data)
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def close(self) -> None:
-        self.closed = True
-        self.file.close()
-
-
 def test_full_disk_mid_run_stops_the_trial_instead_of_hanging(monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path) -> None:
-    monkeypatch.setattr("zenithtune.run._open_log", lambda path: _FillingDisk(path, 100_000))
+    monkeypatch.setattr("zenithtune.run._open_log", lambda path: FillingDisk(path, 100_000))
     res = run([sys.executable, PRINTER, "noise=1e6", "sleep=30", "tflops=1.0"], log_path=tmp_path / "trial.log",
               timeout=60, grace=0.3)
     assert not res.timed_out and not res.succeeded
