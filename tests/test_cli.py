@@ -12,12 +12,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import optuna
 import pytest
 import yaml
+from fixtures.waiting import wait_for  # tests/ is on sys.path under pytest
 from optuna.trial import TrialState
 
 from zenithtune import cli
@@ -331,15 +331,6 @@ def test_timeout_dynamic_cuts_a_far_slower_trial(tmp_path):
     assert re.search(r"\[2/3\] trial \d+ .* -> timeout: cut at the dynamic limit [\d.]+ s", r.stdout)
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_sigint_mid_trial_then_resume_completes_the_study(tmp_path):
     (tmp_path / "slow.py").write_text(SLOW_NTH.format(scales={1: "0.3"}))  # launch 1 runs long: Ctrl-C it
     db = tmp_path / "r" / "study.db"
@@ -349,7 +340,7 @@ def test_sigint_mid_trial_then_resume_completes_the_study(tmp_path):
     with out.open("w") as f:
         proc = subprocess.Popen([*ZT, *args], cwd=tmp_path, env=_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(lambda: (tmp_path / "count").exists() and (tmp_path / "count").read_text() == "2", 60,
+        wait_for(lambda: (tmp_path / "count").exists() and (tmp_path / "count").read_text() == "2", 60,
                   "the second trial to start")
         live = run(tmp_path, "analyze", "r/study.db")  # a study that is still running
         assert live.returncode == 0, live.stderr

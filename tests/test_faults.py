@@ -14,6 +14,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from fixtures.waiting import wait_for  # tests/ is on sys.path under pytest
 from optuna.trial import TrialState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,15 +35,6 @@ def zt(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -61,7 +53,7 @@ def test_sigterm_and_sighup_stop_the_trial_record_it_and_write_best_yaml(tmp_pat
         proc = subprocess.Popen([sys.executable, "-m", "zenithtune", *args], cwd=tmp_path, env=_env(),
                                 stdout=f, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(lambda: counter.exists() and len(counter.read_text().splitlines()) == 2, 90,
+        wait_for(lambda: counter.exists() and len(counter.read_text().splitlines()) == 2, 90,
                   "the second trial to start")
         hung = int(counter.read_text().splitlines()[1])
         time.sleep(0.5)
@@ -267,7 +259,7 @@ def test_a_resumed_study_kills_what_a_killed_tuner_left_running(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "zenithtune", *args], cwd=tmp_path, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        _wait_for(lambda: counter.exists() and len(counter.read_text().splitlines()) == 2, 90,
+        wait_for(lambda: counter.exists() and len(counter.read_text().splitlines()) == 2, 90,
                   "the second trial to start")
         orphan = int(counter.read_text().splitlines()[1])
         proc.kill()  # SIGKILL: no handler runs, the trial's process outlives the tuner

@@ -419,11 +419,10 @@ class Space:
                     survey.valid += 1
                     yield cand
 
-    def suggest(self, trial: Any, names: tuple[str, ...] | None = None,
-                fixed: Mapping[str, Any] | None = None) -> Candidate:
+    def suggest(self, trial: Any, names: tuple[str, ...] | None = None) -> Candidate:
         """Ask an Optuna trial for a candidate, conditionally (a param is only suggested when it
-        applies). `fixed` values are taken as they are and `names` limits what is suggested."""
-        cand: Candidate = dict(fixed or {})
+        applies); `names` limits what is suggested."""
+        cand: Candidate = {}
         for name, p in self.params.items():
             if name in cand or (names is not None and name not in names):
                 continue

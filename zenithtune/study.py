@@ -336,11 +336,6 @@ def budget_in_use(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False) if in_budget(t))
 
 
-def launched_count(study: optuna.Study) -> int:
-    """Launched trials that count against n_trials: an interrupted one measured nothing and does not."""
-    return record.budget_used(record.history(study))
-
-
 def claim_key(key: tuple) -> str:
     """A candidate's identity (`Space.key`) as a short, stable string."""
     return hashlib.sha1(json.dumps(key, default=str).encode()).hexdigest()
