@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="search.py's 3 quick scenarios, 3 seeds")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
     ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
-    ap.add_argument("--trace", action="store_true", help="print every launch of studies below 0.99")
+    ap.add_argument("--trace", action="store_true", help="print every launch of studies below 0.99 or with more than 2 OOM")
     args = ap.parse_args(argv)
 
     scenarios = [s for s in SCENARIOS if not args.quick or s.quick]
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         r.optimum = opt.value
         print(f"{name:24s} seed={seed:<3d} {strat:16s} best/opt {r.ratio:.3f}  to 0.99: {r.reached(0.99)!s:>5}  "
               f"launched {r.launched:3d}  oom {ooms(r)}  ({r.seconds:.1f} s; {r.stop})")
-        if args.trace and r.ratio < 0.99:
+        if args.trace and (r.ratio < 0.99 or ooms(r) > 2):
             print(f"      optimum {opt.value:.1f} at {cand_str(opt.candidate)}")
             print("\n".join("      " + line for line in r.trace))
     elapsed = time.time() - started

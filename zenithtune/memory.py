@@ -71,6 +71,10 @@ class MemoryEstimate:
     activations_gb: float
     overhead_gb: float
     stage: str = "only"  # the pipeline stage that peaks: "only" (pp=1), "first" or "last"
+    # parts of activations_gb that differ most between trainers, so MemoryModel learns them apart:
+    # the routed tokens' copies and expert FFN intermediates of MoE layers, and the output logits
+    expert_activations_gb: float = 0.0
+    logits_gb: float = 0.0
 
     @property
     def total_gb(self) -> float:
@@ -144,9 +148,15 @@ class _Shape:
             return (3 + per_width * self.F / self.h) * self.h
         # every routed copy keeps its permuted input, its ffn intermediates and its output (the
         # prob-weighted combine needs it); the router keeps fp32 logits and probabilities
-        routed = self.k * (4 + per_width * self.Fm / self.h)
+        routed = self.routed_act() / self.h
         router = 8 * self.E / self.h
         return (3 + routed + router + per_width * self.Fs / self.h) * self.h
+
+    def routed_act(self) -> float:
+        """The part of a MoE layer's mlp_act held per routed copy (permuted input, expert intermediates,
+        output): what the token dispatcher and grouped GEMMs of a given build allocate."""
+        per_width = 6 if self.glu else 4
+        return self.k * (4 + per_width * self.Fm / self.h) * self.h
 
     @property
     def score_act(self) -> float:
@@ -207,8 +217,12 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
             return tokens * (rep + (total - rep) / t)
         return tokens * total / split
 
+    def routed(moe: bool) -> float:  # the routed part of layer_act (TP splits it like the rest)
+        return tokens * sh.routed_act() / (split or t) if moe and sh.E else 0.0
+
     gran = layout.recompute_granularity
     moe_frac = sh.n_moe / sh.L
+    routed_layer = moe_frac * routed(True)  # of a stored or a fully recomputed layer alike
     scores = gran is None and not flash_attention
     full_layer = (1 - moe_frac) * layer_act(False, not flash_attention) + moe_frac * layer_act(True, not flash_attention)
     stored_layer = (1 - moe_frac) * layer_act(False, scores) + moe_frac * layer_act(True, scores)
@@ -220,11 +234,14 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
             n = min(n, math.ceil(layers))
             per_mb = n * layer_input + (layers - n) * stored_layer
             working = full_layer
+            per_mb_routed, working_routed = (layers - n) * routed_layer, routed_layer
         else:  # uniform: the input of each chunk of n layers; recomputing one chunk needs n layers
             per_mb = math.ceil(layers / n) * layer_input
             working = min(n, layers) * full_layer
+            per_mb_routed, working_routed = 0.0, min(n, layers) * routed_layer
     else:
         per_mb = layers * stored_layer
+        per_mb_routed, working_routed = layers * routed_layer, 0.0
 
     m = layout.microbatches or p
     in_flight: float = min(p, m) if p > 1 else 1
@@ -241,7 +258,8 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
         ckpt = True if vit_checkpointing is None else vit_checkpointing
         vision_act = (lv * 2 * v_tokens * hv + v_layer) if ckpt else lv * v_layer
 
-    def stage(params_dense: float, params_expert: float, act: float, name: str) -> MemoryEstimate:
+    def stage(params_dense: float, params_expert: float, act: float, name: str, *, routed_act: float,
+              logits_act: float) -> MemoryEstimate:
         opt_dense = 12 / dc if distributed_optimizer else 12
         opt_expert = 12 / edp if distributed_optimizer else 12
         total_params = params_dense + params_expert
@@ -249,13 +267,17 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
         allocated = 6 * total_params + optimizer + act
         return MemoryEstimate(
             weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB, optimizer_gb=optimizer / GIB,
-            activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name)
+            activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name,
+            expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB)
 
     if p == 1:
         emb_all = emb * (1 if sh.tied else 2)
-        return stage(dense + emb_all + vision, experts, per_mb + working + logits + vision_act, "only")
-    first = stage(dense + emb + vision, experts, in_flight * per_mb + working + vision_act * min(p, m), "first")
-    last = stage(dense + emb, experts, per_mb + working + logits, "last")  # tied: a copy for the output layer
+        return stage(dense + emb_all + vision, experts, per_mb + working + logits + vision_act, "only",
+                     routed_act=per_mb_routed + working_routed, logits_act=logits)
+    first = stage(dense + emb + vision, experts, in_flight * per_mb + working + vision_act * min(p, m), "first",
+                  routed_act=in_flight * per_mb_routed + working_routed, logits_act=0.0)
+    last = stage(dense + emb, experts, per_mb + working + logits, "last",  # tied: a copy for the output layer
+                 routed_act=per_mb_routed + working_routed, logits_act=logits)
     return first if first.total_gb >= last.total_gb else last
 
 
@@ -277,23 +299,30 @@ def gpu_capacity_gb(configured: float | None) -> float:
 # share of each component), and how closely a measured peak pins the fit (share of the measured value).
 COMPONENT_SD = 0.25
 MEASURED_SD = 0.02
+DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration must need to be ruled out unseen
+
+
+COMPONENTS = ("weights", "optimizer", "activations", "expert_activations", "logits")
 
 
 class MemoryModel:
     """The estimate, corrected per study by what trials really used (per component, not one scale).
 
-    * Each component of the allocated memory -- weights and grads, optimizer state, activations --
-      has its own multiplier, fitted from every measured peak (Megatron's "max allocated": what
-      PyTorch handed out at the peak, the estimate's allocated part): a Bayesian linear fit with prior
-      1 +- COMPONENT_SD each, so one measurement moves mostly the component that dominates it, and
-      two runs that differ in what dominates (a larger MBS: activations; less TP: weights) separate
-      them. A measured "max reserved" replaces the assumed fragmentation by the measured one.
+    * Each component of the allocated memory -- weights and grads, optimizer state, activations,
+      the MoE layers' routed-token activations, the output logits -- has its own multiplier, fitted
+      from every measured peak (Megatron's "max allocated": what PyTorch handed out at the peak, the
+      estimate's allocated part): a Bayesian linear fit with prior 1 +- COMPONENT_SD each, so one
+      measurement moves mostly the component that dominates it, and runs that differ in what
+      dominates (a larger MBS: activations; less TP: weights; more EP: expert activations) separate
+      them. A measured "max reserved" replaces the assumed fragmentation by the measured one. The
+      fit's posterior also says how uncertain a prediction still is (`predict_sd`).
     * An OOM adds what it proves: the config needed more than the GPU has (and more than the OOM
       message's "in use" + "tried to allocate" where known), as a lower bound the fit must respect;
-      and every config whose learned prediction is at least that config's is predicted OOM from then
-      on, whatever its layout (TP, PP, EP, MBS or recompute).
-    * Evidence beats the estimate: a config predicted no larger than one that already ran is never
-      pruned, and a measured config is predicted at what it measured.
+      every config needing at least as much of every component is predicted OOM, and so is every
+      config whose learned prediction is at least that config's, whatever its layout (TP, PP, EP, MBS
+      or recompute).
+    * Evidence beats the estimate: a config needing no more of any component than one that already
+      ran is never pruned, whatever the fit says; a measured config is predicted at what it measured.
     Prune limit: capacity x (1 + safety_margin), since the estimate errs on the high side.
     """
 
@@ -314,7 +343,9 @@ class MemoryModel:
         self._frag: list[float] = []  # measured reserved / allocated
         self._ok: list[MemoryEstimate] = []  # what ran
         self._oom: list[MemoryEstimate] = []  # what ran out of memory
-        self._w = np.ones(3)  # learned multipliers: weights+grads, optimizer, activations
+        n = len(COMPONENTS)
+        self._w = np.ones(n)  # learned multipliers, in COMPONENTS' order
+        self._cov = np.eye(n) * COMPONENT_SD ** 2  # their posterior covariance
 
     @property
     def limit_gb(self) -> float:
@@ -323,18 +354,25 @@ class MemoryModel:
     @property
     def scales(self) -> dict[str, float]:
         """Learned multipliers on the estimate's components (1.0: as estimated)."""
-        return {"weights": float(self._w[0]), "optimizer": float(self._w[1]), "activations": float(self._w[2])}
+        return {name: float(w) for name, w in zip(COMPONENTS, self._w)}
 
     @property
     def fragmentation(self) -> float:
         return statistics.median(self._frag) - 1 if self._frag else FRAGMENTATION
+
+    @property
+    def ooms(self) -> int:
+        """Configurations observed to run out of memory in this study."""
+        return len(self._oom)
 
     def _estimate(self, layout: Layout, model: ModelInfo, **kw: Any) -> MemoryEstimate | None:
         return estimate(layout, model, **{**self.defaults, **kw})
 
     @staticmethod
     def _x(est: MemoryEstimate) -> np.ndarray:
-        return np.array([est.weights_gb + est.grads_gb, est.optimizer_gb, est.activations_gb])
+        dense_act = est.activations_gb - est.expert_activations_gb - est.logits_gb
+        return np.array([est.weights_gb + est.grads_gb, est.optimizer_gb, dense_act, est.expert_activations_gb,
+                         est.logits_gb])
 
     def _fixed(self, est: MemoryEstimate) -> float:
         """The part outside PyTorch's allocator (CUDA context, NCCL): the estimate's overhead without
@@ -345,50 +383,75 @@ class MemoryModel:
         return self._fixed(est) + (1 + self.fragmentation) * float(self._x(est) @ self._w)
 
     def _fit(self) -> None:
-        """Posterior mean of the multipliers given the measured peaks, with each OOM's lower bound as
-        a tight observation while the fit would violate it (a few passes, since one bound's activation
-        moves the others)."""
-        prior = np.full(3, 1 / COMPONENT_SD ** 2)
-        w = np.ones(3)
-        active: set[int] = set()
-        for _ in range(6):
-            rows = [(x, y, MEASURED_SD) for x, y in self._measured]
-            rows += [(*self._bounds[i], MEASURED_SD / 10) for i in sorted(active)]
-            if rows:
-                X = np.array([x for x, _, _ in rows])
-                y = np.array([v for _, v, _ in rows])
-                sd = np.maximum(np.array([r for _, _, r in rows]) * y, 1e-3)
-                A = np.diag(prior) + (X / sd[:, None] ** 2).T @ X
-                b = prior + (X / sd[:, None] ** 2).T @ y
-                w = np.clip(np.linalg.solve(A, b), 0.3, 3.0)
-            now = {i for i, (x, y) in enumerate(self._bounds) if float(x @ w) < y * (1 - 1e-4)}
-            if now <= active:
-                break
-            active |= now
-        # what an OOM proves is not negotiable: whatever the fit left short is made up uniformly
+        """Posterior mean of the multipliers given the measured peaks, subject to what every OOM proves
+        (its components needed at least its bound): a small quadratic program solved by active sets,
+        so a bound shapes the fit only where the others do not already imply it (two OOMs that differ
+        in one component must not pin that component to zero by both being held as equalities)."""
+        n = len(COMPONENTS)
+        prior = np.full(n, 1 / COMPONENT_SD ** 2)
+        A, b = np.diag(prior), prior.copy()
+        if self._measured:
+            X = np.array([x for x, _ in self._measured])
+            y = np.array([v for _, v in self._measured])
+            sd = np.maximum(MEASURED_SD * y, 1e-3)
+            A = A + (X / sd[:, None] ** 2).T @ X
+            b = b + (X / sd[:, None] ** 2).T @ y
+        C = np.array([x for x, _ in self._bounds]).reshape(len(self._bounds), n)
+        d = np.array([v for _, v in self._bounds])
+        w = _bounded_least_squares(A, b, C, d)
+        # what an OOM proves is not negotiable: a bound the solver could not meet (the clip, or bounds
+        # that contradict measured runs) is made up uniformly
+        w = np.clip(w, 0.3, 3.0)
         short = max((y / float(x @ w) for x, y in self._bounds if float(x @ w) > 0), default=1.0)
         self._w = w * max(short, 1.0)
+        self._cov = np.linalg.inv(A)
 
     def predict(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
         est = self._estimate(layout, model, **kw)
         return None if est is None else self._corrected(est)
+
+    def predict_sd(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
+        """How uncertain `predict` still is (1 sd, GB): wide for what resembles nothing measured, narrow
+        for configs made of the components the measured runs pinned down."""
+        est = self._estimate(layout, model, **kw)
+        if est is None:
+            return None
+        x = self._x(est)
+        return (1 + self.fragmentation) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
+
+    @staticmethod
+    def _within(a: np.ndarray, b: np.ndarray) -> bool:
+        """Needs a no more of every component than b (so a fits wherever b did, whatever the fit)."""
+        return bool(np.all(a <= b * (1 + 1e-6) + 1e-9))
+
+    def proven_fit(self, layout: Layout, model: ModelInfo, **kw: Any) -> bool:
+        """Does a configuration that already ran need at least as much of every component?"""
+        est = self._estimate(layout, model, **kw)
+        return est is not None and any(self._within(self._x(est), self._x(ok)) for ok in self._ok)
 
     def predicted_oom(self, layout: Layout, model: ModelInfo, **kw: Any) -> str | None:
         """Why this config would surely run out of memory, or None."""
         est = self._estimate(layout, model, **kw)
         if est is None:
             return None
+        x = self._x(est)
+        if any(self._within(x, self._x(ok)) for ok in self._ok):
+            return None  # something needing at least as much of everything already ran
+        for bad in self._oom:
+            # ...and clearly more in total: fragmentation differs between configurations (full recompute,
+            # MoE token counts), so one a hair above an OOM may still fit; the learned rules judge those
+            if self._within(self._x(bad), x) and x.sum() >= (1 + DOMINANCE_MARGIN) * self._x(bad).sum():
+                return (f"needs at least as much of every memory component as a configuration that already "
+                        f"ran out of memory ({self._corrected(bad):.1f} GB learned)")
         need = self._corrected(est)
-        if self._ok and need <= max(self._corrected(e) for e in self._ok) + 1e-9:
-            return None  # something at least as big already ran
         if self._oom:
             smallest = min(self._corrected(e) for e in self._oom)
             if need >= smallest - 1e-9:
                 return (f"predicted {need:.1f} GB >= {smallest:.1f} GB of a configuration that already ran "
                         f"out of memory")
         if need > self.limit_gb:
-            learned = "" if not (self._measured or self._bounds) else \
-                ", learned " + " ".join(f"{k} x{v:.2f}" for k, v in self.scales.items())
+            moved = [f"{k} x{v:.2f}" for k, v in self.scales.items() if abs(v - 1) >= 0.005]
+            learned = f", learned {' '.join(moved)}" if moved and (self._measured or self._bounds) else ""
             return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.safety_margin:.2f} "
                     f"margin ({est.breakdown()}{learned})")
         return None
@@ -420,7 +483,33 @@ class MemoryModel:
         if est is None:
             return
         self._oom.append(est)
-        need = max(self.limit_gb, needed_gb or 0.0) * (1 + 1e-3)
+        need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
         # in allocated terms: what the allocator must have handed out for the total to exceed `need`
         self._bounds.append((self._x(est), (need - self._fixed(est)) / (1 + self.fragmentation)))
         self._fit()
+
+
+def _bounded_least_squares(A: np.ndarray, b: np.ndarray, C: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """argmin ½·wᵀAw − bᵀw subject to C·w >= d (A positive definite; a handful of constraints), by the
+    primal active-set method: hold the most violated constraint as an equality, release any whose
+    multiplier turns negative, until every constraint holds and every held one pushes the right way."""
+    active: list[int] = []
+    w = np.linalg.solve(A, b)
+    for _ in range(4 * len(d) + 4):
+        if active:
+            Ca = C[active]
+            k = len(active)
+            kkt = np.block([[A, -Ca.T], [Ca, np.zeros((k, k))]])
+            sol = np.linalg.lstsq(kkt, np.concatenate([b, d[active]]), rcond=None)[0]
+            w, lam = sol[: len(b)], sol[len(b):]
+            if lam.min() < -1e-12:
+                active.pop(int(lam.argmin()))
+                continue
+        else:
+            w = np.linalg.solve(A, b)
+        slack = C @ w - d if len(d) else np.zeros(0)
+        violated = [i for i in np.argsort(slack) if slack[i] < -1e-9 * max(1.0, abs(d[i])) and i not in active]
+        if not violated:
+            return w
+        active.append(int(violated[0]))
+    return w

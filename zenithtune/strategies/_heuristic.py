@@ -37,6 +37,9 @@ from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._throughput import predict_tflops
 
+RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `max_ooms`
+MODEL_ERROR = 0.02  # what no learned component captures (allocator, workspaces), as a share of the prediction
+
 
 def _lay(c: dict) -> tuple:
     return tuple(c.get(k) for k in LAYOUT_PARAMS)
@@ -50,7 +53,8 @@ def _rec(c: dict) -> tuple:
 class HeuristicStrategy(Strategy):
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
-                 memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02):
+                 memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
+                 oom_risk: float = 0.5):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -70,6 +74,14 @@ class HeuristicStrategy(Strategy):
         self.memory_probes = int(memory_probes)  # launches allowed past the memory screen per study
         self.probe_reach = float(probe_reach)  # ... only up to capacity x (1 + this) predicted
         self.probe_gain = float(probe_gain)  # ... and only when predicted to beat the best by this much
+        if max_ooms < 0 or not 0 < oom_risk <= 1:
+            raise ValueError(f"max_ooms={max_ooms} (>= 0) or oom_risk={oom_risk} (0..1, 0.25: one launch in four "
+                             f"may run out of memory) is out of range")
+        # Launches out of memory a study may spend: once the study has seen one, the memory model has been
+        # shown optimistic near the limit, and a launch must carry at most `oom_risk` of running out;
+        # once it has seen `max_ooms`, only what is all but certain to fit (RISK_DONE) is launched.
+        self.max_ooms = int(max_ooms)
+        self.oom_risk = float(oom_risk)
 
     # --- the pool -----------------------------------------------------------------------------------
     def setup(self, space, memory, history) -> None:
@@ -139,18 +151,29 @@ class HeuristicStrategy(Strategy):
         cap = ctx.gpu_memory_gb
         if share is not None and gb > share * cap:
             return False, f"{gb:.0f}/{cap:g} GB"
-        # After an OOM the estimate has been shown optimistic somewhere between the largest run that fit
-        # and the smallest that did not: beyond the former only halfway, and after a second OOM not at
-        # all (halving on while nothing has fit yet).
-        ooms = [o for o in self.history if o.launched and o.kind == "oom"]
+        ooms = sum(1 for o in self.history if o.launched and o.kind == "oom")
         if ooms:
-            raw = self._estimate(c) or 0.0
-            fit = max((self._estimate(o.candidate) or 0.0 for o in self.history if o.ok), default=None)
-            bad = min(self._estimate(o.candidate) or 0.0 for o in ooms)
-            allowed = fit if fit is not None and len(ooms) > 1 else (fit or 0.0) + (bad - (fit or 0.0)) / 2
-            if raw > allowed:
-                return False, f"{raw:.0f} GB estimated, above {allowed:.0f} GB after {len(ooms)} OOM"
+            allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
+            risk = self._risk(c)
+            if risk > allowed:
+                return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
+                               f"above {100 * allowed:g} % after {ooms} OOM")
         return True, f"{gb:.0f}/{cap:g} GB"
+
+    def _risk(self, c: dict) -> float:
+        """Probability that the candidate runs out of memory, from the memory model's learned prediction
+        and its uncertainty (plus MODEL_ERROR for what no component captures); 0 when a configuration
+        needing at least as much of every memory component already ran."""
+        if self.memory is None:
+            return 0.0
+        args = self.space.memory_args(c)
+        if self.memory.proven_fit(**args):
+            return 0.0
+        gb, sd = self.memory.predict(**args), self.memory.predict_sd(**args)
+        if gb is None or sd is None:
+            return 0.0
+        sd = math.hypot(sd, MODEL_ERROR * gb)
+        return 0.5 * math.erfc((self.space.ctx.gpu_memory_gb - gb) / (sd * math.sqrt(2)))
 
     # --- what the measurements say ------------------------------------------------------------------
     def _speed(self, o: Outcome) -> float:
@@ -221,9 +244,13 @@ class HeuristicStrategy(Strategy):
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         probe = None
-        for j in np.argsort(-ucb, kind="stable"):
-            if ucb[j] <= target * (1 + self.min_gain):
-                break
+        # Of the candidates that could beat the best, the one with the best expected outcome first: near
+        # the memory limit a launch may run out of memory and teach nothing about speed, so a candidate's
+        # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
+        hopeful = np.flatnonzero(ucb > target * (1 + self.min_gain))
+        risk = np.array([self._risk(self._pool[at[j]]) for j in hopeful])
+        order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
+        for j in order:
             cand = self._pool[at[j]]
             if self._ruled_out(cand):
                 continue
@@ -236,15 +263,20 @@ class HeuristicStrategy(Strategy):
                    f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best {self._shown(target)}")
             if fits:
                 return Proposal(dict(cand), why=f"{why}; {mem}")
-            if probe is None and pred[j] > target * (1 + self.probe_gain) and self._probe_ok(cand):
-                probe = Proposal(dict(cand), probe_memory=True,
-                                 why=f"memory probe: {why}, though {mem}; one launch tests the estimate at its edge")
-        return self._granularity_check(best, tried) or probe
+            if pred[j] > target * (1 + self.probe_gain) and self._probe_ok(cand):
+                # the probe worth most: expected gain per risk of running out of memory
+                r = max(self._risk(cand), 0.01)
+                worth = (1 - r) * (pred[j] / target - 1) / r
+                if probe is None or worth > probe[0]:
+                    probe = (worth, Proposal(dict(cand), probe_memory=True,
+                                             why=f"memory probe: {why}, though {mem}; {100 * r:.0f} % risk of "
+                                                 f"running out of memory for the best expected gain per risk"))
+        return self._granularity_check(best, tried) or (probe[1] if probe else None)
 
     def _probe_ok(self, c: dict) -> bool:
         """May this candidate, screened only by the memory estimate, be launched as a probe? Once per
         `memory_probes`, never after an OOM, and only just past the limit (`probe_reach`)."""
-        if self.memory is None or self.memory_probes <= 0:
+        if self.memory is None or self.memory_probes <= 0 or self.max_ooms <= 0:
             return False
         launched = [o for o in self.history if o.launched]
         if sum(1 for o in launched if o.kind == "oom") or \
