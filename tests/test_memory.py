@@ -110,7 +110,7 @@ def test_after_an_oom_the_same_and_bigger_configs_are_predicted_oom():
     assert mm.predicted_oom(small, LLAMA8)
     assert mm.predicted_oom(bigger, LLAMA8)
     assert mm.predicted_oom(Layout(8, 64, tp=4, mbs=2, sequence_parallel=True, **SEL), LLAMA8)
-    assert mm.predict(small, LLAMA8) > mm.limit_gb  # the scale moved so E maps above the limit
+    assert mm.predict(small, LLAMA8) > mm.capacity_gb  # the scales moved so it maps above what the GPU has
     assert mm.predicted_oom(Layout(8, 64, tp=8, sequence_parallel=True, **FULL), LLAMA8) is None
 
 
@@ -167,7 +167,7 @@ def test_an_oom_rules_out_other_layouts_whose_learned_estimate_is_as_large():
     oom = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
     mm.observe_oom(oom, LLAMA8)
     bound = mm.predict(oom, LLAMA8)
-    assert bound > mm.limit_gb
+    assert bound > mm.capacity_gb
     others = [Layout(8, 64, tp=t, pp=p, sequence_parallel=t > 1, mbs=b, **SEL)
               for t in (1, 2, 4) for p in (1, 2) for b in (1, 2, 4)]
     for lay in others:
@@ -233,3 +233,31 @@ def test_memory_evidence_reads_megatron_memory_lines_and_the_oom_message():
     assert oom.kind == "oom"
     assert memory_evidence(oom.stderr)["needed_gb"] > oom.capacity_gb
     assert memory_evidence("no memory here") == {}
+
+
+def test_two_ooms_that_differ_in_activations_do_not_erase_the_activations():
+    # An OOM says "at least"; two of them at one layout (none, then full recompute of some layers) must
+    # not be held as equalities, which would force the activations that tell them apart to zero and let
+    # the next, activation-heavy layout through as tiny.
+    mm = MemoryModel(80)
+    base = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
+    mm.observe_oom(base, LLAMA8)
+    mm.observe_oom(Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, recompute_granularity="full",
+                          recompute_method="block", recompute_num_layers=4), LLAMA8)
+    assert mm.scales["activations"] >= 0.9
+    assert mm.predicted_oom(Layout(8, 64, tp=2, sequence_parallel=True, mbs=4, **SEL), LLAMA8)
+
+
+def test_a_model_shown_wrong_widens_its_uncertainty():
+    mm = MemoryModel(80)
+    lay = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
+    before = mm.predict_sd(lay, LLAMA8)
+    est = estimate(lay, LLAMA8)
+    mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb)  # as estimated: the fit is pinned
+    pinned = mm.predict_sd(lay, LLAMA8)
+    assert pinned < before
+    assert mm.model_error == pytest.approx(memory.MODEL_ERROR)
+    wrong = Layout(8, 64, tp=1, mbs=2, **SEL)
+    mm.observe_oom(wrong, LLAMA8, needed_gb=1.5 * mm.predict(wrong, LLAMA8))  # 50 % more than predicted
+    assert mm.model_error >= 0.4
+    assert mm.predict_sd(lay, LLAMA8) > 5 * pinned

@@ -16,6 +16,7 @@ from zenithtune import settings
 from zenithtune.inject import inject
 from zenithtune.job import Job, build_job
 from zenithtune.loop import Launched, StudyLoop
+from zenithtune.memory import MemoryModel
 from zenithtune.sim import simulate
 from zenithtune.sim.inprocess import launcher
 from zenithtune.strategies import Outcome
@@ -295,3 +296,17 @@ def test_heuristic_survives_scores_that_are_not_positive_numbers(value):
     runs = launched(loop)
     assert runs and all(o.ok and o.value > 0 for o in runs)
     assert first.candidate not in [o.candidate for o in runs]  # already measured, not launched again
+
+
+@pytest.mark.parametrize("max_ooms", [1, 2])
+def test_heuristic_spends_at_most_max_ooms_on_a_trainer_that_needs_far_more_memory(max_ooms):
+    # A trainer that runs out of memory wherever the estimate says 70 % of the GPU (an allocator, a
+    # kernel library or FP8 buffers the estimate does not know): after max_ooms OOMs the heuristic only
+    # launches what the learned memory model says is all but certain to fit, and still ends with a best.
+    job = make_job("heuristic", extra=("gpu_memory_gb=16", f"strategy.max_ooms={max_ooms}"))
+    estimate = MemoryModel(16)  # the estimate as it stands before the study learns anything
+    loop, _ = study(job, 30, oom_if=lambda cand: (estimate.predict(**job.space.memory_args(cand)) or 0) > 0.7 * 16)
+    ooms = [o for o in launched(loop) if o.kind == "oom"]
+    assert 1 <= len(ooms) <= max_ooms
+    assert any(o.ok for o in launched(loop))
+

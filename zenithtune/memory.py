@@ -299,6 +299,8 @@ def gpu_capacity_gb(configured: float | None) -> float:
 # share of each component), and how closely a measured peak pins the fit (share of the measured value).
 COMPONENT_SD = 0.25
 MEASURED_SD = 0.02
+MODEL_ERROR = 0.02  # the least error of a learned prediction (allocator, workspaces), share of the prediction
+RECENT_MISSES = 3  # how many of the latest observations' misses widen it
 DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration must need to be ruled out unseen
 
 
@@ -346,6 +348,7 @@ class MemoryModel:
         n = len(COMPONENTS)
         self._w = np.ones(n)  # learned multipliers, in COMPONENTS' order
         self._cov = np.eye(n) * COMPONENT_SD ** 2  # their posterior covariance
+        self._misses: list[float] = []  # how far off observations the model did not expect were (shares)
 
     @property
     def limit_gb(self) -> float:
@@ -417,7 +420,14 @@ class MemoryModel:
         if est is None:
             return None
         x = self._x(est)
-        return (1 + self.fragmentation) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
+        fitted = (1 + self.fragmentation) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
+        return math.hypot(fitted, self.model_error * self._corrected(est))
+
+    @property
+    def model_error(self) -> float:
+        """What no learned component captures, as a share of a prediction: MODEL_ERROR, or as far off as
+        the model was shown to be by its last observations (a trainer it cannot describe widens it)."""
+        return max([MODEL_ERROR, *self._misses[-RECENT_MISSES:]])
 
     @staticmethod
     def _within(a: np.ndarray, b: np.ndarray) -> bool:
@@ -456,6 +466,13 @@ class MemoryModel:
                     f"margin ({est.breakdown()}{learned})")
         return None
 
+    def _miss(self, seen: float, predicted: float, sd: float, *, at_least: bool = False) -> None:
+        """Remember how far off the prediction was when its own uncertainty did not cover it (beyond 2
+        sd): evidence that the model cannot describe this trainer, which widens `model_error`."""
+        off = seen - predicted if at_least else abs(seen - predicted)
+        if off > 2 * math.hypot(sd, MODEL_ERROR * predicted):
+            self._misses.append(off / max(predicted, 1e-9))
+
     def observe_success(self, layout: Layout, model: ModelInfo, measured_peak_gb: float | None, *,
                         reserved_gb: float | None = None, **kw: Any) -> None:
         """A run that completed; `measured_peak_gb` is Megatron's "max allocated" (None if not
@@ -471,6 +488,8 @@ class MemoryModel:
             log.warning("memory: ignoring measured %.1f GB against an estimate of %.1f GB (ratio %.2f is "
                         "implausible; wrong unit?)", measured_peak_gb, est.allocated_gb, ratio)
             return
+        x = self._x(est)
+        self._miss(float(measured_peak_gb), float(x @ self._w), math.sqrt(max(float(x @ self._cov @ x), 0.0)))
         self._measured.append((self._x(est), float(measured_peak_gb)))
         if reserved_gb is not None and 1.0 <= reserved_gb / measured_peak_gb <= 2.0:
             self._frag.append(reserved_gb / measured_peak_gb)
@@ -484,6 +503,9 @@ class MemoryModel:
             return
         self._oom.append(est)
         need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
+        x = self._x(est)
+        scale = 1 + self.fragmentation
+        self._miss(need, self._corrected(est), scale * math.sqrt(max(float(x @ self._cov @ x), 0.0)), at_least=True)
         # in allocated terms: what the allocator must have handed out for the total to exceed `need`
         self._bounds.append((self._x(est), (need - self._fixed(est)) / (1 + self.fragmentation)))
         self._fit()

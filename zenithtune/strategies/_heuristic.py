@@ -38,7 +38,6 @@ from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._throughput import predict_tflops
 
 RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `max_ooms`
-MODEL_ERROR = 0.02  # what no learned component captures (allocator, workspaces), as a share of the prediction
 
 
 def _lay(c: dict) -> tuple:
@@ -162,7 +161,7 @@ class HeuristicStrategy(Strategy):
 
     def _risk(self, c: dict) -> float:
         """Probability that the candidate runs out of memory, from the memory model's learned prediction
-        and its uncertainty (plus MODEL_ERROR for what no component captures); 0 when a configuration
+        and its uncertainty (`MemoryModel.predict_sd`); 0 when a configuration
         needing at least as much of every memory component already ran."""
         if self.memory is None:
             return 0.0
@@ -170,9 +169,8 @@ class HeuristicStrategy(Strategy):
         if self.memory.proven_fit(**args):
             return 0.0
         gb, sd = self.memory.predict(**args), self.memory.predict_sd(**args)
-        if gb is None or sd is None:
+        if gb is None or not sd:
             return 0.0
-        sd = math.hypot(sd, MODEL_ERROR * gb)
         return 0.5 * math.erfc((self.space.ctx.gpu_memory_gb - gb) / (sd * math.sqrt(2)))
 
     # --- what the measurements say ------------------------------------------------------------------
