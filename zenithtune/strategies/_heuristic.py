@@ -16,12 +16,16 @@ How it chooses (each launch says which of these made it):
 4. Then, best first: each candidate's prediction is its prior times a correction learned from every
    measured trial (`_calibration.Residual`, a small Gaussian process over the parallel sizes, MBS,
    recompute mode and per layout), with an uncertainty that grows with the distance to what was
-   measured. Launch the candidate with the best optimistic prediction (+ `kappa` sd) while it could
-   beat the best measured by `min_gain`. Never launched: what the memory model screens (or `fit` excludes); the
-   same layout and recompute at an MBS at least as large as one that ran out of memory; after an
-   OOM, more than halfway from the largest run that fit toward it (after two, nothing past that
-   run); a larger MBS or more recomputed layers of a layout that already lost to a smaller one; a
-   layout that crashed.
+   measured. Of the candidates whose optimistic prediction (+ `kappa` sd) could beat the best measured
+   by `min_gain`, launch the one with the best expected outcome: a launch that runs out of memory
+   teaches nothing about speed, so each counts as (1 - risk) x optimistic + risk x best, where risk is
+   the probability the study's learned memory model gives it of not fitting. Never launched: what the
+   memory model screens (or `fit` excludes); the same layout and recompute at an MBS at least as large
+   as one that ran out of memory; after an OOM, anything carrying more than `oom_risk` of running out,
+   and after `max_ooms` OOMs, more than RISK_DONE (so a study spends at most about `max_ooms`); a
+   larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
+   crashed. When nothing the screen allows could beat the best, one budgeted memory probe
+   (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster.
 6. Exhausted when nothing left could beat the best: ask() returns None.
