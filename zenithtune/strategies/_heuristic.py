@@ -13,10 +13,12 @@ How it chooses (each launch says which of these made it):
    Memory comes from the study's memory model (the estimate, corrected by measured peaks and OOMs).
 3. First launch: the highest prior among candidates that fit with a wide margin (`first_fit`), to
    calibrate both the prior and the memory model on something that surely runs.
-4. Then, best first: each candidate's prediction is its prior times a correction learned from every
-   measured trial (`_calibration.Residual`, a small Gaussian process over the parallel sizes, MBS,
-   recompute mode and per layout), with an uncertainty that grows with the distance to what was
-   measured. Launch the candidate with the best optimistic prediction (+ `kappa` sd) while it could
+4. Then, best first: each candidate's prediction is its prior, re-priced with what each of its time
+   components (GEMMs, attention, TP/CP/EP/DP communication, pipeline bubble) was measured to cost
+   here (`_speed.SpeedModel`, a per-component fit to every measured trial), times a correction learned
+   from every measured trial (`_calibration.Residual`, a small Gaussian process over the parallel
+   sizes, MBS, recompute mode and per layout), with an uncertainty that grows with the distance to
+   what was measured. Launch the candidate with the best optimistic prediction (+ `kappa` sd) while it could
    beat the best measured by `min_gain`. Never launched: what the memory model screens (or `fit` excludes); the
    same layout and recompute at an MBS at least as large as one that ran out of memory; after an
    OOM, more than halfway from the largest run that fit toward it (after two, nothing past that
