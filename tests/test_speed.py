@@ -12,7 +12,6 @@ from test_strategies import MOE, launched, make_job, study
 
 from zenithtune import settings
 from zenithtune.job import Job, build_job
-
 from zenithtune.strategies._speed import SpeedModel
 from zenithtune.strategies._throughput import COMPONENTS, predict_tflops
 

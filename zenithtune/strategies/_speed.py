@@ -56,7 +56,7 @@ class SpeedModel:
         rows = [pieces(c, model=model, n_gpus=n_gpus, gbs=gbs, gpus_per_node=gpus_per_node) for c in cands]
         keys = list(rows[0]) if rows else []
         self._tab = {k: np.array([r[k] for r in rows], dtype=float) for k in keys}
-        self._scale = dict(model=model, n_gpus=n_gpus, gbs=gbs)
+        self._model, self._n_gpus, self._gbs = model, n_gpus, gbs
         self._sd = np.array([COMPONENT_SD[k] for k in COMPONENTS])
         self.mult = {k: 1.0 for k in COMPONENTS}
         self._exercised: set[str] = set()
@@ -64,7 +64,8 @@ class SpeedModel:
         self.prior = self._tflops(self._tab, self.mult) if rows else np.zeros(0)
 
     def _tflops(self, tab: Mapping[str, np.ndarray], mult: Mapping[str, float]) -> np.ndarray:
-        return np.asarray(tflops_of(assemble(tab, mult), **self._scale), dtype=float)
+        return np.asarray(tflops_of(assemble(tab, mult), model=self._model, n_gpus=self._n_gpus, gbs=self._gbs),
+                          dtype=float)
 
     def _log_prior(self, tab: Mapping[str, np.ndarray], theta: np.ndarray) -> np.ndarray:
         return np.log(self._tflops(tab, dict(zip(COMPONENTS, np.exp(theta).tolist(), strict=True))))
