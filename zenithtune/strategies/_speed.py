@@ -60,6 +60,7 @@ class SpeedModel:
         self._sd = np.array([COMPONENT_SD[k] for k in COMPONENTS])
         self.mult = {k: 1.0 for k in COMPONENTS}
         self._exercised: set[str] = set()
+        self._fitted: tuple | None = None
         # bit for bit predict_tflops while every multiplier is 1.0
         self.prior = self._tflops(self._tab, self.mult) if rows else np.zeros(0)
 
@@ -74,8 +75,10 @@ class SpeedModel:
         """Fit the multipliers to log measured rates of pool candidates `measured` and recompute `prior`.
         level_sd: prior sd of log(measured / prior) common to all (None: flat, for a metric in
         another unit than TFLOP/s)."""
-        if not len(measured):
+        key = (tuple(measured), tuple(log_rates), level_sd)
+        if not len(measured) or key == self._fitted:  # a wave of parallel asks: same runs, same fit
             return
+        self._fitted = key
         idx = np.asarray(measured, dtype=int)
         y = np.asarray(log_rates, dtype=float)
         tab = {k: v[idx] for k, v in self._tab.items()}
