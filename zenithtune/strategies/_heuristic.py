@@ -253,6 +253,8 @@ class HeuristicStrategy(Strategy):
         offset = 0.0 if tflops else float(np.mean([r for _, r in measured]))
         mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at)
         mean = mean + offset
+        if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
+            sd = np.sqrt(sd ** 2 + self._speed_model.sd[at] ** 2)
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         probe = None

@@ -20,6 +20,12 @@ iteration. A component no measured candidate exercises (CP when every run had cp
 and keeps its prior 1.0; one that all measured candidates share in equal parts (GEMMs) is mostly
 absorbed by the level, which the heuristic's residual (`_calibration`) learns again anyway.
 
+What the fit leaves uncertain is kept: the posterior covariance of (level, log-multipliers), through
+each candidate's sensitivity to them, gives `sd`, the log-scale doubt about the corrected prior, which
+the heuristic adds to its residual's. Without it, the corrected prior explains the runs so well that
+the residual turns confident and the study stops before testing candidates whose components no run
+has pinned down (measured on benchmarks/robustness.py: fewer launches, but a worse worst case).
+
 NOISE_SD is not the measurement noise (about 1 %) but what the prior's structure gets wrong beyond
 its components' scale (a crude efficiency curve, overlap rules): small enough that a few runs move a
 multiplier, large enough that a multiplier does not chase the prior's every detail.
@@ -61,6 +67,7 @@ class SpeedModel:
         self.mult = {k: 1.0 for k in COMPONENTS}
         self._exercised: set[str] = set()
         self._fitted: tuple | None = None
+        self.sd = np.zeros(len(rows))  # log-scale sd of `prior` left by the fit (SHARE_SD)
         # bit for bit predict_tflops while every multiplier is 1.0
         self.prior = self._tflops(self._tab, self.mult) if rows else np.zeros(0)
 
@@ -122,6 +129,18 @@ class SpeedModel:
         self.mult = dict(zip(COMPONENTS, np.exp(theta).tolist(), strict=True))
         self._exercised = {k for k, e in zip(COMPONENTS, exercised, strict=True) if e}
         self.prior = self._tflops(self._tab, self.mult)
+        # how unsure the fit leaves each candidate's prior (log): the multipliers' posterior covariance
+        # (Laplace, at the mode; with the level, which trades against the GEMMs) through each candidate's
+        # sensitivity to them, so a candidate whose components no run pinned down keeps its doubt
+        cov = np.linalg.inv(A + 1e-12 * np.eye(K + 1))
+        logp = np.log(self.prior)
+        Jp = np.ones((len(logp), K + 1))
+        for k in range(K):
+            step = theta.copy()
+            step[k] += _H
+            Jp[:, k + 1] = (self._log_prior(self._tab, step) - logp) / _H
+        # of level + log prior: what all candidates share (GEMMs against the level) cancels out
+        self.sd = np.sqrt(np.maximum(np.einsum("ik,kl,il->i", Jp, cov, Jp), 0.0))
 
     def learned(self) -> str:
         """The multipliers that moved noticeably, largest first: 'ep comm x1.31, pp bubble/p2p x0.80'."""
