@@ -13,9 +13,11 @@ How it chooses (each launch says which of these made it):
    Memory comes from the study's memory model (the estimate, corrected by measured peaks and OOMs).
 3. First launch: the highest prior among candidates that fit with a wide margin (`first_fit`), to
    calibrate both the prior and the memory model on something that surely runs.
-4. Then, best first: each candidate's prediction is its prior times a correction learned from every
-   measured trial (`_calibration.Residual`, a small Gaussian process over the parallel sizes, MBS,
-   recompute mode and per layout), with an uncertainty that grows with the distance to what was
+4. Then, best first: each candidate's prediction is its prior, re-priced with what each of its time
+   components (GEMMs, attention, TP/CP/EP/DP communication, pipeline bubble) was measured to cost
+   here (`_speed.SpeedModel`, a per-component fit to every measured trial), times a correction learned
+   from every measured trial (`_calibration.Residual`, a small Gaussian process over the parallel
+   sizes, MBS, recompute mode and per layout), with an uncertainty that grows with the distance to what was
    measured. Of the candidates whose optimistic prediction (+ `kappa` sd) could beat the best measured
    by `min_gain`, launch the one with the best expected outcome: a launch that runs out of memory
    teaches nothing about speed, so each counts as (1 - risk) x optimistic + risk x best, where risk is
@@ -39,7 +41,7 @@ import numpy as np
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
-from zenithtune.strategies._throughput import predict_tflops
+from zenithtune.strategies._speed import LEVEL_SD, SpeedModel
 
 RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `max_ooms`
 
@@ -98,8 +100,11 @@ class HeuristicStrategy(Strategy):
         self._pool = self._one_uniform_chunk(pool)
         self._keys = [space.key(c) for c in self._pool]
         self._index = {k: i for i, k in enumerate(self._keys)}
-        self._prior = np.array([predict_tflops(c, model=ctx.model, n_gpus=ctx.n_gpus, gbs=ctx.gbs,
-                                               gpus_per_node=ctx.gpus_per_node) for c in self._pool])
+        # the throughput prior of every candidate (TFLOP/s), with the per-component multipliers learned
+        # so far (`_speed`): ask() refits them to the measured runs and updates _prior
+        self._speed_model = SpeedModel(self._pool, model=ctx.model, n_gpus=ctx.n_gpus, gbs=ctx.gbs,
+                                       gpus_per_node=ctx.gpus_per_node)
+        self._prior = self._speed_model.prior
         self._residual = Residual(self._pool, gpus_per_node=ctx.gpus_per_node, n_gpus=ctx.n_gpus,
                                   num_layers=ctx.model.num_layers or 32)
 
@@ -232,17 +237,26 @@ class HeuristicStrategy(Strategy):
             return self._first(tried)
         best = max(ok, key=self._speed)
         target = self._speed(best)
-        measured = [(self._index[k], math.log(self._speed(o) / self._prior[self._index[k]]))
-                    for o in ok if (k := self.space.key(o.candidate)) in self._index]
+        rates = [(self._index[k], math.log(self._speed(o))) for o in ok if (k := self.space.key(o.candidate)) in self._index]
+        # what each component of the iteration costs here (EP all-to-all, pipeline bubble, ...): learned
+        # from every run, it re-orders the pool's prior; the residual corrects what it cannot express
+        tflops = self.metric.startswith("TFLOP/s")
+        self._speed_model.fit([i for i, _ in rates], [v for _, v in rates], level_sd=LEVEL_SD if tflops else None)
+        self._prior = self._speed_model.prior
+        learned = self._speed_model.learned()
+        learned = f"; {learned} learned" if learned else ""
+        measured = [(i, v - math.log(self._prior[i])) for i, v in rates]
         at = np.array([i for i, k in enumerate(self._keys) if k not in tried], dtype=int)
         if not len(at):
             return None
         # The prior is in model TFLOP/s/GPU. Scored in another unit (s/it, samples/s, a regex's number),
         # the residuals share one large offset, the unit conversion: take it out before the correction
         # is learned (whose shrinkage toward the prior would otherwise predict nonsense) and put it back.
-        offset = 0.0 if self.metric.startswith("TFLOP/s") else float(np.mean([r for _, r in measured]))
+        offset = 0.0 if tflops else float(np.mean([r for _, r in measured]))
         mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at)
         mean = mean + offset
+        if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
+            sd = np.sqrt(sd ** 2 + self._speed_model.sd[at] ** 2)
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         probe = None
@@ -262,7 +276,8 @@ class HeuristicStrategy(Strategy):
             why = (f"{self._role(cand, best.candidate)}: predicted {self._shown(pred[j])} +-{100 * sd[j]:.0f}% "
                    f"(prior {self._prior[at[j]]:.0f} TFLOP/s x {scale} "
                    f"learned from {len(measured)} runs"
-                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}) could beat best {self._shown(target)}")
+                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}{learned}) could beat best "
+                   f"{self._shown(target)}")
             if fits:
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             if pred[j] > target * (1 + self.probe_gain) and self._probe_ok(cand):

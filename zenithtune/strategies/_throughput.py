@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from zenithtune.modelinfo import ModelInfo
 
 PEAK_FLOPS = 989e12
@@ -106,9 +108,17 @@ def _a2a(nbytes: float, span: int, gpus_per_node: int) -> float:
     return max(nbytes * (1 - remote) / NVLINK_BYTES_S, nbytes * remote / NETWORK_BYTES_S) / A2A_EFF
 
 
-def predict_tflops(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
-                   gpus_per_node: int = 8) -> float:
-    """Believed TFLOP/s per GPU (model FLOPs) of one candidate; see the module docstring."""
+# The prior's time components, each with a multiplier (1.0: the model as written) that a study can learn
+# from its measurements (`_speed.SpeedModel`): seconds of GEMMs (layers, logits, vision tower), of the
+# attention core (flash attention's score and value products), of TP collectives (with SP, and the output
+# layer's), of the CP ring, of the MoE token dispatcher (EP all-to-alls and ETP gathers), of the DP
+# gradient/parameter sync, and of the pipeline (bubble and point-to-point sends).
+COMPONENTS = ("gemm", "attention", "tp", "cp", "ep", "dp", "pp")
+
+
+def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
+           gpus_per_node: int = 8) -> dict[str, float]:
+    """The raw times (and counts) one candidate's iteration is assembled from (`assemble`)."""
     x = Shape.of(model)
     t, p, c = int(cand.get("tp", 1)), int(cand.get("pp", 1)), int(cand.get("cp", 1))
     e = int(cand.get("ep", 1)) if x.E else 1
@@ -123,7 +133,6 @@ def predict_tflops(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gb
         recomputed = per_stage if method == "uniform" else min(nrec, per_stage)
     else:
         recomputed = 0
-    frac = recomputed / per_stage
 
     def bw(span: int) -> float:
         return NVLINK_BYTES_S if span <= gpus_per_node else NETWORK_BYTES_S
@@ -142,54 +151,97 @@ def predict_tflops(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gb
             moe_mlp += tok * 6 * x.glu * x.h * x.Fs / t / (PEAK_FLOPS * _eff(tok, x.Fs / t))
     # TP with SP: all-gather + reduce-scatter around attention and around the MLP, forward and backward
     tp_half = 4 * _ring(2 * tok * x.h, t, bw(t)) * TP_EXPOSED  # attention's (or the dense MLP's) share
-    cp_comm = 0.0
+    cp_ring = 0.0
     if c > 1:
         kv = 2 * 2 * tok * x.g * x.d / max(1, min(t, x.g))  # K and V, bf16
-        ring = 3 * (c - 1) * (kv / bw(t * c) + LATENCY_S)  # forward once, backward twice (dK, dV)
-        cp_comm = max(ring - 0.8 * scores, 0.1 * ring)
+        cp_ring = 3 * (c - 1) * (kv / bw(t * c) + LATENCY_S)  # forward once, backward twice (dK, dV)
     ep_comm = 0.0
     if x.E and e > 1:
         routed = 2 * tok / t * x.k * x.h  # bytes of this rank's routed token copies, bf16
         ep_comm = 4 * (_a2a(routed * (e - 1) / e, e * et, gpus_per_node) + LATENCY_S) * EP_EXPOSED
     if x.E and et > 1:  # expert TP gathers the routed token copies inside the ETP group (adjacent ranks)
         ep_comm += 4 * _ring(2 * tok / t * x.k * x.h * et, et, bw(et)) * TP_EXPOSED
-
-    def layer(moe: bool) -> float:
-        compute = attn_lin + scores + (moe_mlp if moe else dense_mlp)
-        # a MoE layer's MLP trades TP traffic for the token dispatcher's (EP all-to-all, ETP gathers)
-        comm = tp_half + cp_comm + (ep_comm if moe else tp_half)
-        extra = frac * (FULL_EXTRA * compute + comm / 2)
-        if gran == "selective":
-            extra += SELECTIVE_EXTRA * scores
-        return compute + comm + extra
-
-    moe_share = x.n_moe / x.L
-    body = per_stage * ((1 - moe_share) * layer(False) + moe_share * layer(True))
-    logits = tok * 6 * x.h * x.V / t / (PEAK_FLOPS * _eff(tok, x.V / t)) + 2 * _ring(4 * tok * x.h, t, bw(t))
     vision = 0.0
     if x.vision_layers:
         vt = b * x.vision_tokens
         vflops = vt * 6 * x.vision_layers * (4 * x.vision_hidden ** 2 + 2 * x.vision_hidden * x.vision_ffn)
         ckpt = cand.get("vit_gradient_checkpointing", True) is not False
         vision = vflops / (PEAK_FLOPS * _eff(vt, x.vision_hidden)) * (1 + (FULL_EXTRA if ckpt else 0.0))
-    p2p = 0.0 if p == 1 else 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5
-    if p == 1:
-        stage = body + logits + vision
-    else:
-        stage = max(body + vision, body + logits) + p2p
-    pipeline = (m + p - 1) * stage
-
     # --- once per iteration: gradient sync over data (and context) parallel ranks; experts over
     # their own expert-data-parallel ranks (their gradients are most of a MoE model's) ------------
     dense_params = x.L / p * (x.h * x.d * (2 * x.a + 2 * x.g) + (x.glu * x.h * x.F if not x.E else 0)) / t
     expert_params = x.n_moe / p * x.E * x.glu * x.h * x.Fm / (e * et) if x.E else 0.0
     edp = max(1, n_gpus // (e * et * p))
     span = bw(n_gpus // p)
-    reduce = _ring(4 * dense_params, d_ * c, span) + _ring(4 * expert_params, edp, span)  # fp32 grads
-    gather = _ring(2 * dense_params, d_ * c, span) + _ring(2 * expert_params, edp, span)  # bf16 params
+    return dict(
+        attn_lin=attn_lin, scores=scores, dense_mlp=dense_mlp, moe_mlp=moe_mlp, tp_half=tp_half, cp_ring=cp_ring,
+        ep_comm=ep_comm, vision=vision, frac=recomputed / per_stage, selective=float(gran == "selective"),
+        per_stage=float(per_stage), moe_share=x.n_moe / x.L,
+        logits_gemm=tok * 6 * x.h * x.V / t / (PEAK_FLOPS * _eff(tok, x.V / t)),
+        logits_comm=2 * _ring(4 * tok * x.h, t, bw(t)),
+        p2p=0.0 if p == 1 else 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5,
+        m=float(m), bubble=float(p - 1),
+        # fp32 gradients reduce-scattered, bf16 parameters all-gathered
+        reduce=_ring(4 * dense_params, d_ * c, span) + _ring(4 * expert_params, edp, span),
+        gather=_ring(2 * dense_params, d_ * c, span) + _ring(2 * expert_params, edp, span))
+
+
+def _max(a: Any, b: Any) -> Any:
+    # builtin max for one candidate (predict_tflops: numpy's scalar overhead would triple its cost)
+    return max(a, b) if isinstance(a, float) and isinstance(b, float) else np.maximum(a, b)
+
+
+def assemble(pc: Mapping[str, Any], mult: Mapping[str, Any] | None = None) -> Any:
+    """Seconds of one iteration from `pieces` (floats, or numpy arrays: one element per candidate), each
+    component's seconds times its multiplier in `mult` (missing: 1.0, which reproduces the model exactly;
+    a multiplier may also be an array, one per candidate)."""
+    mu = {k: 1.0 for k in COMPONENTS} | dict(mult or {})
+    mg, ma = mu["gemm"], mu["attention"]
+    scores = pc["scores"] * ma
+    attn_lin = pc["attn_lin"] * mg
+    tp_half = pc["tp_half"] * mu["tp"]
+    ring = pc["cp_ring"] * mu["cp"]
+    cp_comm = _max(ring - 0.8 * scores, 0.1 * ring)  # hidden behind attention as far as it is long
+    ep_comm = pc["ep_comm"] * mu["ep"]
+    frac = pc["frac"]
+
+    def layer(moe: bool) -> Any:
+        compute = attn_lin + scores + (pc["moe_mlp"] if moe else pc["dense_mlp"]) * mg
+        # a MoE layer's MLP trades TP traffic for the token dispatcher's (EP all-to-all, ETP gathers)
+        comm = tp_half + cp_comm + (ep_comm if moe else tp_half)
+        # a recomputed layer runs its forward (and its forward traffic) twice; selective re-runs attention
+        extra = frac * (FULL_EXTRA * compute + comm / 2) + pc["selective"] * (SELECTIVE_EXTRA * scores)
+        return compute + comm + extra
+
+    moe_share = pc["moe_share"]
+    body = pc["per_stage"] * ((1 - moe_share) * layer(False) + moe_share * layer(True))
+    logits = pc["logits_gemm"] * mg + pc["logits_comm"] * mu["tp"]
+    vision = pc["vision"] * mg
+    # the first stage carries the vision tower, the last the output layer: the slower sets the pace
+    staged = _max(body + vision, body + logits) + pc["p2p"] * mu["pp"]
+    flat = pc["bubble"] == 0
+    if isinstance(flat, bool):  # one candidate
+        stage = body + logits + vision if flat else staged
+    else:
+        stage = np.where(flat, body + logits + vision, staged)
+    pipeline = (pc["m"] + pc["bubble"] * mu["pp"]) * stage
+    reduce, gather = pc["reduce"] * mu["dp"], pc["gather"] * mu["dp"]
     # the reduce-scatter hides behind the last micro-batch's backward, the all-gather behind the first's
     # forward (--overlap-grad-reduce / --overlap-param-gather); a larger micro-batch hides more
-    dp_sync = (max(DP_MIN_EXPOSED * reduce, reduce - 0.9 * 2 / 3 * stage)
-               + max(DP_MIN_EXPOSED * gather, gather - 0.9 / 3 * stage))
-    iteration = pipeline + dp_sync
-    return TYPICAL_EFFICIENCY * gbs * x.s * x.model_flops_per_token() / (n_gpus * iteration) / 1e12
+    dp_sync = (_max(DP_MIN_EXPOSED * reduce, reduce - 0.9 * 2 / 3 * stage)
+               + _max(DP_MIN_EXPOSED * gather, gather - 0.9 / 3 * stage))
+    return pipeline + dp_sync
+
+
+def tflops_of(seconds: Any, *, model: ModelInfo, n_gpus: int, gbs: int) -> Any:
+    """Believed TFLOP/s per GPU (model FLOPs) of an iteration believed to take `seconds`."""
+    x = Shape.of(model)
+    return TYPICAL_EFFICIENCY * gbs * x.s * x.model_flops_per_token() / (n_gpus * seconds) / 1e12
+
+
+def predict_tflops(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
+                   gpus_per_node: int = 8, mult: Mapping[str, float] | None = None) -> float:
+    """Believed TFLOP/s per GPU (model FLOPs) of one candidate; see the module docstring. `mult`: per
+    component multipliers of its seconds (COMPONENTS; default 1.0 each)."""
+    seconds = assemble(pieces(cand, model=model, n_gpus=n_gpus, gbs=gbs, gpus_per_node=gpus_per_node), mult)
+    return float(tflops_of(seconds, model=model, n_gpus=n_gpus, gbs=gbs))
