@@ -28,6 +28,7 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
 """
 from __future__ import annotations
 
+import math
 import random
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ NEIGHBOUR_EXTRA_WORK = 0.1
 class StagedBlackboxStrategy(Strategy):
     def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
                  patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
-                 min_gain: float = 0.01):
+                 min_gain: float = 0.01, layout_steps: int = 6):
         if int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         if int(top_layouts) < 1:
@@ -77,6 +78,7 @@ class StagedBlackboxStrategy(Strategy):
         self.probe_reach = float(probe_reach)  # ... only up to capacity x (1 + this) predicted
         self.probe_gain = float(probe_gain)  # ... and only when it plausibly beats the best by this much
         self.min_gain = float(min_gain)  # a promotion must plausibly beat the best by this much
+        self.layout_steps = int(layout_steps)  # unmeasured layouts next to the best tried in stage 2
         self._rng = random.Random(seed)
         self._stage1_done = False
         self._stage2_asked = 0
@@ -94,6 +96,10 @@ class StagedBlackboxStrategy(Strategy):
         self._stage1_launched = 0
         self._streak = 0  # proposals in a row (this stage) that could not be launched
         self._screen_memo: dict[tuple, str | None] = {}
+        self._neighboured: set[tuple] = set()  # (best's key, mbs) already proposed as an MBS neighbour
+        self._stepped: set[tuple] = set()  # layouts proposed as a step from the best
+        self._layout_steps = 0
+        self._values: dict[str, list] = {}  # each layout dimension's values, sorted
         super().setup(space, memory, [])
         for o in history:
             self.tell(o)
@@ -228,6 +234,8 @@ class StagedBlackboxStrategy(Strategy):
         mbs = b.get("mbs", 1)
         steps = [m for m in sizes if m > mbs][:1] + [m for m in sizes if m < mbs][-1:]
         for m in steps:
+            if (self.space.key(b), m) in self._neighboured:
+                continue
             key = self.space.key({**b, "mbs": m})
             same = cands.get(key)
             if same is not None and not self._screened(same):
@@ -241,10 +249,57 @@ class StagedBlackboxStrategy(Strategy):
             else:
                 pick = None
             if pick is not None:
+                self._neighboured.add((self.space.key(b), m))
                 return Proposal(dict(pick), stage=SETTINGS_STAGE,
                                 why=f"stage 2, neighbour of the best (trial {best.trial_number}, mbs {mbs}): "
                                 f"mbs {m} with {_rec(pick)}")
         return None
+
+    def _layout_step(self, best: Outcome) -> Proposal | None:
+        """Step 4: an unmeasured layout next to the best one (one dimension one value up or down, or
+        one up and another down), the one that measurements so far favour, at memory-safe settings."""
+        if self._layout_steps >= self.layout_steps:
+            return None
+        here = dict(_layout(self.space, best.candidate))
+        near = [lay for lay in self._by_layout if lay not in self._best and lay not in self._stage1_layouts
+                and lay not in self._stepped and self._adjacent(dict(lay), here)]
+        if not near:
+            return None
+        # What the runs so far say of each dimension's value, on their own: the mean log of each measured
+        # layout's best (its recompute work taken out), per value, relative to the mean of all. A
+        # neighbour scores the sum over the values it changes; no model of the trainer is involved.
+        rows = [(dict(lay), math.log(self._speed(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
+                for lay, o in self._best.items()]
+        mean = sum(r for _, r in rows) / len(rows)
+        effect: dict[str, dict] = {}
+        for d in here:
+            groups: dict = {}
+            for lay, r in rows:
+                groups.setdefault(lay.get(d), []).append(r)
+            effect[d] = {v: sum(rs) / len(rs) - mean for v, rs in groups.items()}
+
+        def score(lay: tuple) -> float:
+            n = dict(lay)
+            return sum(effect[d].get(n.get(d), 0.0) - effect[d].get(here[d], 0.0) for d in here if n.get(d) != here[d])
+
+        pick = max(near, key=score)  # max keeps the first of equals: the space's order
+        self._stepped.add(pick)
+        self._layout_steps += 1
+        desc = " ".join(f"{k}={v}" for k, v in pick)
+        return Proposal(self._safe_settings(dict(pick)), stage=SETTINGS_STAGE,
+                        why=f"stage 2, layout next to the best (trial {best.trial_number}): {desc}, the one the "
+                        f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
+
+    def _adjacent(self, a: dict, b: dict) -> bool:
+        """One dimension one value apart, or two dimensions one value apart in opposite directions."""
+        moves = []
+        for d in b:
+            vals = self._values.setdefault(d, sorted({dict(lay).get(d) for lay in self._by_layout}))
+            if a.get(d) != b[d]:
+                if a.get(d) not in vals:
+                    return False
+                moves.append(vals.index(a.get(d)) - vals.index(b[d]))
+        return moves in ([1], [-1]) or sorted(moves) == [-1, 1]
 
     # --- both --------------------------------------------------------------------------------------
     def ask(self) -> Proposal | None:
@@ -262,7 +317,8 @@ class StagedBlackboxStrategy(Strategy):
         best = self.best()
         if best is not None:
             tried = self.tried_keys()
-            step = self._promotion(self._speed(float(best.value)), tried) or self._neighbour(best, tried)  # type: ignore[arg-type]
+            rate = self._speed(float(best.value))  # type: ignore[arg-type]
+            step = self._promotion(rate, tried) or self._neighbour(best, tried) or self._layout_step(best)
             if step is not None:
                 return step
         ranked = sorted(((lay, o) for lay, o in self._best.items() if self._untried(lay)),
