@@ -20,11 +20,19 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    the best by `probe_gain`, it is launched anyway, at most `memory_probes` times per study and never
    after any launch ran out of memory: the estimate must never miss an OOM, so at its edge it is a
    few GB pessimistic, and the fastest layouts often live there.
-3. Neighbours of the best: the next smaller and larger MBS with the same recompute (or, where that
-   is screened, the lightest recompute that fits at the larger MBS), each measured once.
-4. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
+3. MBS steps: the best setting at the next smaller and larger MBS (same recompute, or where that is
+   screened, the lightest recompute that fits at the larger MBS and costs little more work), then the
+   next larger MBS of every other layout whose best is within `mbs_reach` of the best: a larger
+   micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
+   Each is measured once.
+4. Layout steps: up to `layout_steps` unmeasured layouts next to the best one (one dimension one value
+   up or down, or one up and another down), at memory-safe settings; the next is the one whose changed
+   values did best in the runs so far (mean log throughput per dimension value, recompute work taken
+   out). Stage 1's budget covers few layouts of a large MoE space; this walks from where it landed.
+5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
    the `top_layouts` best measured layouts; the one holding the best result gets most proposals, the
    runners-up every third. Both stages ask the same study, so TPE learns from every trial.
+Steps 1-4 are asked again after every launch (a new best opens new ones); TPE gets what is left.
 """
 from __future__ import annotations
 
@@ -59,7 +67,7 @@ NEIGHBOUR_EXTRA_WORK = 0.1
 class StagedBlackboxStrategy(Strategy):
     def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
                  patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
-                 min_gain: float = 0.01, layout_steps: int = 6):
+                 min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1):
         if int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         if int(top_layouts) < 1:
@@ -79,6 +87,7 @@ class StagedBlackboxStrategy(Strategy):
         self.probe_gain = float(probe_gain)  # ... and only when it plausibly beats the best by this much
         self.min_gain = float(min_gain)  # a promotion must plausibly beat the best by this much
         self.layout_steps = int(layout_steps)  # unmeasured layouts next to the best tried in stage 2
+        self.mbs_reach = float(mbs_reach)  # layouts this close to the best get their next MBS measured
         self._rng = random.Random(seed)
         self._stage1_done = False
         self._stage2_asked = 0
@@ -227,12 +236,25 @@ class StagedBlackboxStrategy(Strategy):
         return None
 
     def _neighbour(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
-        """Step 3: the best setting at the next smaller and larger MBS."""
+        """Step 3: the best setting at the next smaller and larger MBS, then each runner-up layout
+        within `mbs_reach` of the best at its next larger MBS (a larger micro-batch often gains more on
+        one layout than on another, so the order at MBS 1 is not the order at the optimum)."""
+        rate = self._speed(float(best.value))  # type: ignore[arg-type]
+        ranked = sorted((o for o in self._best.values() if o is not best
+                         and self._speed(float(o.value)) >= rate * (1 - self.mbs_reach)),  # type: ignore[arg-type]
+                        key=lambda o: -self._speed(float(o.value)))  # type: ignore[arg-type]
+        for o, down in ((best, True), *((o, False) for o in ranked)):
+            step = self._mbs_step(o, tried, down, o is best)
+            if step is not None:
+                return step
+        return None
+
+    def _mbs_step(self, best: Outcome, tried: set[tuple], down: bool, incumbent: bool) -> Proposal | None:
         b = best.candidate
         cands = self._by_layout.get(_layout(self.space, b), {})
         sizes = sorted({c.get("mbs", 1) for c in cands.values()})
         mbs = b.get("mbs", 1)
-        steps = [m for m in sizes if m > mbs][:1] + [m for m in sizes if m < mbs][-1:]
+        steps = [m for m in sizes if m > mbs][:1] + ([m for m in sizes if m < mbs][-1:] if down else [])
         for m in steps:
             if (self.space.key(b), m) in self._neighboured:
                 continue
@@ -250,8 +272,9 @@ class StagedBlackboxStrategy(Strategy):
                 pick = None
             if pick is not None:
                 self._neighboured.add((self.space.key(b), m))
+                who = "the best" if incumbent else "a runner-up layout's best"
                 return Proposal(dict(pick), stage=SETTINGS_STAGE,
-                                why=f"stage 2, neighbour of the best (trial {best.trial_number}, mbs {mbs}): "
+                                why=f"stage 2, MBS next to {who} (trial {best.trial_number}, mbs {mbs}): "
                                 f"mbs {m} with {_rec(pick)}")
         return None
 
