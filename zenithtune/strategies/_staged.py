@@ -291,8 +291,11 @@ class StagedBlackboxStrategy(Strategy):
         # What the runs so far say of each dimension's value, on their own: the mean log of each measured
         # layout's best (its recompute work taken out), per value, relative to the mean of all. A
         # neighbour scores the sum over the values it changes; no model of the trainer is involved.
+        # (a score that is not a positive number, e.g. 0 from a broken log line, says nothing of speed)
         rows = [(dict(lay), math.log(self._speed(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
-                for lay, o in self._best.items()]
+                for lay, o in self._best.items() if math.isfinite(float(o.value)) and float(o.value) > 0]  # type: ignore[arg-type]
+        if not rows:
+            return None
         mean = sum(r for _, r in rows) / len(rows)
         effect: dict[str, dict] = {}
         for d in here:
