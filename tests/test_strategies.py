@@ -192,13 +192,76 @@ def test_staged_runs_stage1_then_stage2_and_respects_stage1_trials():
     assert set(stages[4:]) == {"settings"}
     trials = [t for t in loop.study.trials if t.user_attrs.get("launched")]
     assert [t.user_attrs["stage"] for t in trials] == stages  # recorded on the trial
-    # stage 1 measures layouts at memory-safe settings; stage 2 keeps to the best layouts of stage 1
+    # stage 1 measures layouts at memory-safe settings; stage 2 tunes the layouts measured, and reaches a
+    # new one only as a step from the best (at most layout_steps of them, each first at safe settings)
     lays = lambda o: tuple(o.candidate.get(k) for k in ("tp", "pp", "cp"))  # noqa: E731
     assert all(o.candidate["mbs"] == 1 for o in launched(loop)[:4])
-    stage1 = {lays(o) for o in launched(loop)[:4]}
-    assert {lays(o) for o in launched(loop)[4:]} <= stage1
+    known = {lays(o) for o in launched(loop)[:4]}
+    steps = 0
+    for o in launched(loop)[4:]:
+        if lays(o) not in known:
+            assert o.why.startswith("stage 2, layout next to the best") and o.candidate["mbs"] == 1, o.why
+            known.add(lays(o))
+            steps += 1
+    assert steps <= 6
     # only the layout was TPE's in stage 1: the settings it filled are not Optuna params
     assert set(trials[0].params) <= {"tp", "pp", "cp", "ep", "etp"}
+
+
+def _stage2(loop: StudyLoop, step: str) -> list[Outcome]:
+    return [o for o in launched(loop) if o.stage == "settings" and o.why.startswith(f"stage 2, {step}")]
+
+
+def test_staged_promotes_a_layout_whose_safe_recompute_hid_its_speed():
+    # At a 12 GB belief stage 1 runs tp1 cp2 under block recompute (no recompute is predicted at 11.2 GB,
+    # above its 0.9 safe share) and it ranks below tp2; stage 2 measures it without the recompute the
+    # screen does not require, and that beats everything measured so far
+    job = make_job("staged_blackbox", extra=("gpu_memory_gb=12", "strategy.memory_probes=0"))
+    loop, _ = study(job, 30, memory_report=False)
+    safe = next(o for o in launched(loop) if o.stage == "layout" and (o.candidate["tp"], o.candidate["cp"]) == (1, 2)
+                and o.candidate["pp"] == 1)
+    assert safe.candidate["recompute_granularity"] == "full"
+    promoted = _stage2(loop, "promotion")
+    assert [(o.candidate["tp"], o.candidate["cp"], o.candidate["recompute_granularity"]) for o in promoted][:1] == \
+        [(1, 2, "none")]
+    runs = launched(loop)
+    before = runs[:runs.index(promoted[0])]
+    assert promoted[0].value > max(o.value for o in before if o.ok)  # it became the best
+    assert promoted[0].value > safe.value * 1.05
+    assert not any(o.probe for o in launched(loop))  # memory_probes=0: nothing past the screen
+
+
+def test_staged_probes_past_the_memory_screen_at_most_memory_probes_times():
+    # tp1 cp1 without recompute is predicted at 13.2 GB, past a 12 GB screen: within probe_reach=0.2 it
+    # is launched once on purpose (the simulated A100 has room) and becomes the best
+    job = make_job("staged_blackbox", extra=("gpu_memory_gb=12", "strategy.probe_reach=0.2"))
+    loop, _ = study(job, 30, memory_report=False)
+    probes = [o for o in launched(loop) if o.probe]
+    assert 1 <= len(probes) <= 2 and all(o.stage == "settings" for o in probes)
+    assert probes[0].ok and probes[0].candidate["recompute_granularity"] == "none"
+    assert 12 * 1.02 < probes[0].predicted_gb <= 12 * 1.2
+    assert probes[0].value == max(o.value for o in launched(loop) if o.ok)
+
+
+def test_staged_stops_probing_after_an_oom():
+    # the same study on a trainer where everything the screen hides does run out of memory: one probe
+    # (an OOM), then never another, whatever the budget left
+    job = make_job("staged_blackbox", extra=("gpu_memory_gb=12", "strategy.probe_reach=0.2"))
+    loop, _ = study(job, 30, oom_if=lambda c: (job.predict_gb(c) or 0.0) > 12 * 1.02, memory_report=False)
+    runs = launched(loop)
+    probes = [i for i, o in enumerate(runs) if o.probe]
+    assert len(probes) == 1 and runs[probes[0]].kind == "oom"
+    assert sum(1 for o in runs if o.kind == "oom") == 1
+
+
+def test_staged_tries_the_next_mbs_of_the_best_before_tpe():
+    job = make_job("staged_blackbox", extra=("stage1_trials=6",))
+    loop, _ = study(job, 12)
+    runs = launched(loop)
+    stage1_best = max((o for o in runs[:6] if o.ok), key=lambda o: o.value)
+    first = runs[6]
+    assert first.why.startswith("stage 2, MBS next to the best")
+    assert first.candidate == {**stage1_best.candidate, "mbs": 2}  # the same recompute, twice the micro-batch
 
 
 def test_staged_uses_the_study_sampler_through_ask_and_tell():

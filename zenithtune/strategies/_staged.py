@@ -3,17 +3,40 @@
 Stage 1 ("layout") gives TP/PP/CP/EP/ETP to the study's TPE sampler; the strategy completes each
 sampled layout with memory-safe settings: MBS 1, ViT checkpointing on, and the cheapest recompute the
 memory model says fits with room to spare (none, selective, full/block with the fewest layers, else
-full/uniform), so a layout is judged by what it can do, not lost to an OOM nor handicapped by
-recompute it does not need. Only the layout is an Optuna parameter of these trials, so stage 1 does
-not bias TPE's view of MBS or recompute. It lasts `stage1_trials` launches, or less when every valid
-layout has run.
-Stage 2 ("settings") fixes the best layouts of stage 1 and lets TPE pick MBS, recompute granularity,
-method and layer count (and ViT checkpointing for a VLM); the layout holding the best result gets
-most proposals, the runners-up every third. Both stages ask the same study, so TPE in stage 2 learns
-from every trial of stage 1.
+full/uniform), so a layout is not lost to an OOM. Only the layout is an Optuna parameter of these
+trials, so stage 1 does not bias TPE's view of MBS or recompute. It lasts `stage1_trials` launches, or
+less when every valid layout has run.
+
+Stage 2 ("settings") proposes, in this order, each time it is asked:
+
+1. Promotion: a layout measured under recompute it may not need is judged by its best plausible
+   setting, not by the safe one. Its plausible value is the measured one times the work the
+   recompute cost (MEGATRON.md: ~4/3 per fully recomputed layer) over the work of the lightest
+   setting at the same MBS that the memory screen admits; the layout with the highest plausible value
+   above the best measured gets that setting launched. This repeats until no layout can plausibly
+   beat the best, so the safe-settings handicap never decides which layouts stage 2 tunes.
+2. Memory probe: when the lightest setting of such a layout is hidden only by the memory estimate
+   (predicted just past the screen, at most `probe_reach` above capacity) and would plausibly beat
+   the best by `probe_gain`, it is launched anyway, at most `memory_probes` times per study and never
+   after any launch ran out of memory: the estimate must never miss an OOM, so at its edge it is a
+   few GB pessimistic, and the fastest layouts often live there.
+3. MBS steps: the best setting at the next smaller and larger MBS (same recompute, or where that is
+   screened, the lightest recompute that fits at the larger MBS and costs little more work), then the
+   next larger MBS of every other layout whose best is within `mbs_reach` of the best: a larger
+   micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
+   Each is measured once.
+4. Layout steps: up to `layout_steps` unmeasured layouts next to the best one (one dimension one value
+   up or down, or one up and another down), at memory-safe settings; the next is the one whose changed
+   values did best in the runs so far (mean log throughput per dimension value, recompute work taken
+   out). Stage 1's budget covers few layouts of a large MoE space; this walks from where it landed.
+5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
+   the `top_layouts` best measured layouts; the one holding the best result gets most proposals, the
+   runners-up every third. Both stages ask the same study, so TPE learns from every trial.
+Steps 1-4 are asked again after every launch (a new best opens new ones); TPE gets what is left.
 """
 from __future__ import annotations
 
+import math
 import random
 from typing import TYPE_CHECKING
 
@@ -31,15 +54,27 @@ RECOMPUTE_LADDER = ([{"recompute_granularity": "none"}, {"recompute_granularity"
                     + [{"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": n}
                        for n in range(1, 9)]
                     + [{"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}])
+# Extra work of recompute, as a share of a step without it: a fully recomputed layer runs its forward
+# twice (~4/3 the work, MEGATRON.md); selective recompute redoes only the attention core, and ViT
+# checkpointing only the (small) vision tower. Used to rank layouts, never as a prediction of speed.
+FULL_RECOMPUTE_WORK = 1 / 3
+SELECTIVE_WORK = 0.02
+VIT_CHECKPOINT_WORK = 0.01
+# A larger MBS that needs more recompute is tried next to the best only if it adds at most this much work.
+NEIGHBOUR_EXTRA_WORK = 0.1
 
 
 class StagedBlackboxStrategy(Strategy):
     def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
-                 patience: int = 5):
+                 patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
+                 min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1):
         if int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         if int(top_layouts) < 1:
             raise ValueError(f"top_layouts={top_layouts} must be >= 1 (layouts tuned in stage 2)")
+        if int(memory_probes) < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1 or not 0 <= min_gain < 1:
+            raise ValueError(f"memory_probes={memory_probes} (>= 0), probe_reach={probe_reach} (0..0.5), "
+                             f"probe_gain={probe_gain} and min_gain={min_gain} (0..1) are out of range")
         self.stage1_trials = int(stage1_trials)
         self.top_layouts = int(top_layouts)
         self.seed = seed
@@ -47,6 +82,12 @@ class StagedBlackboxStrategy(Strategy):
         # proposals in a row that could not be launched (TPE repeating itself) before one untried
         # candidate is drawn at random instead
         self.patience = int(patience)
+        self.memory_probes = int(memory_probes)  # launches past the memory screen per study
+        self.probe_reach = float(probe_reach)  # ... only up to capacity x (1 + this) predicted
+        self.probe_gain = float(probe_gain)  # ... and only when it plausibly beats the best by this much
+        self.min_gain = float(min_gain)  # a promotion must plausibly beat the best by this much
+        self.layout_steps = int(layout_steps)  # unmeasured layouts next to the best tried in stage 2
+        self.mbs_reach = float(mbs_reach)  # layouts this close to the best get their next MBS measured
         self._rng = random.Random(seed)
         self._stage1_done = False
         self._stage2_asked = 0
@@ -59,20 +100,27 @@ class StagedBlackboxStrategy(Strategy):
         for cand in space.walk():
             self._by_layout.setdefault(_layout(space, cand), {})[space.key(cand)] = cand
         self._seen: dict[tuple, set[tuple]] = {}  # layout -> keys measured or screened
-        self._best: dict[tuple, float] = {}  # layout -> best value measured
+        self._best: dict[tuple, Outcome] = {}  # layout -> its best measured outcome
         self._stage1_layouts: set[tuple] = set()
         self._stage1_launched = 0
         self._streak = 0  # proposals in a row (this stage) that could not be launched
+        self._screen_memo: dict[tuple, str | None] = {}
+        self._neighboured: set[tuple] = set()  # (best's key, mbs) already proposed as an MBS neighbour
+        self._stepped: set[tuple] = set()  # layouts proposed as a step from the best
+        self._layout_steps = 0
+        self._values: dict[str, list] = {}  # each layout dimension's values, sorted
         super().setup(space, memory, [])
         for o in history:
             self.tell(o)
 
     def tell(self, outcome: Outcome) -> None:
         super().tell(outcome)
+        if outcome.launched:
+            self._screen_memo.clear()
         lay = _layout(self.space, outcome.candidate)
         self._seen.setdefault(lay, set()).add(self.space.key(outcome.candidate))
-        if outcome.ok and (lay not in self._best or self.better(outcome.value, self._best[lay])):  # type: ignore[arg-type]
-            self._best[lay] = float(outcome.value)  # type: ignore[arg-type]
+        if outcome.ok and (lay not in self._best or self.better(outcome.value, self._best[lay].value)):  # type: ignore[arg-type]
+            self._best[lay] = outcome
         if outcome.stage == LAYOUT_STAGE:
             self._stage1_layouts.add(lay)
             self._stage1_launched += outcome.launched
@@ -105,6 +153,180 @@ class StagedBlackboxStrategy(Strategy):
     def _untried_layouts(self) -> list[tuple]:
         return [lay for lay in self._by_layout if lay not in self._stage1_layouts]
 
+    # --- stage 2: what measurements and the memory screen suggest before TPE -------------------------
+    def _speed(self, value: float) -> float:
+        """A measured value as a rate (higher is better): s/it for ms-swift is the inverse of one."""
+        return value if self.direction == "maximize" else 1.0 / max(value, 1e-12)
+
+    def _work(self, c: dict) -> float:
+        """A step's work relative to one without recompute (see FULL_RECOMPUTE_WORK)."""
+        extra = VIT_CHECKPOINT_WORK if c.get("vit_gradient_checkpointing") else 0.0
+        g = c.get("recompute_granularity", "none")
+        if g == "selective":
+            extra += SELECTIVE_WORK
+        elif g == "full":
+            share = 1.0
+            if c.get("recompute_method") == "block":
+                layers = self.space.ctx.model.num_layers
+                per_stage = layers / int(c.get("pp", 1)) if layers else 8
+                share = min(1.0, int(c.get("recompute_num_layers") or 1) / max(per_stage, 1))
+            extra += FULL_RECOMPUTE_WORK * share
+        return 1.0 + extra
+
+    def _screened(self, c: dict) -> str | None:
+        """Why the study's memory screen would not launch `c` (None: it would). Kept until the next
+        launch, after which the memory model may have learned (the loop teaches it before `tell`)."""
+        if self.memory is None:
+            return None
+        key = self.space.key(c)
+        if key not in self._screen_memo:
+            self._screen_memo[key] = self.memory.predicted_oom(**self.space.memory_args(c))
+        return self._screen_memo[key]
+
+    def _may_probe(self, c: dict) -> bool:
+        """Once per `memory_probes`, never after an OOM, and only just past the screen (`probe_reach`)."""
+        if self.memory is None or sum(1 for o in self.history if o.probe) >= self.memory_probes or \
+                any(o.launched and o.kind == "oom" for o in self.history):
+            return False
+        gb = self.predict_gb(c)
+        return gb is not None and gb <= self.space.ctx.gpu_memory_gb * (1 + self.probe_reach)
+
+    def _lighter(self, best: Outcome, tried: set[tuple]) -> tuple[dict | None, dict | None]:
+        """The lightest untried setting of `best`'s layout at its MBS that the screen admits and is
+        lighter than `best`'s, and the lightest one lighter still that only the screen hides."""
+        b = best.candidate
+        rest = {k: v for k, v in b.items() if k not in ("recompute_granularity", "recompute_method",
+                                                        "recompute_num_layers", "vit_gradient_checkpointing")}
+        same = [c for k, c in self._by_layout.get(_layout(self.space, b), {}).items()
+                if k not in tried and all(c.get(n) == v for n, v in rest.items())]
+        hidden = None
+        for c in sorted(same, key=self._work):  # stable: the space's order breaks ties
+            if self._work(c) >= self._work(b):
+                break
+            if self._screened(c):
+                hidden = hidden or c
+                continue
+            return c, hidden
+        return None, hidden
+
+    def _promotion(self, incumbent: float, tried: set[tuple]) -> Proposal | None:
+        """Steps 1 and 2 of stage 2 (module docstring): the lightest admissible setting of the layout
+        that plausibly beats the best by the most, else a memory probe."""
+        options = []  # (plausible rate, is a probe, order, candidate, layout's best)
+        for i, o in enumerate(self._best.values()):
+            light, hidden = self._lighter(o, tried)
+            for c, probe in ((light, False), (hidden, True)):
+                if c is not None:
+                    options.append((self._speed(float(o.value)) * self._work(o.candidate) / self._work(c),  # type: ignore[arg-type]
+                                    probe, i, c, o))
+        for rate, probe, _, c, o in sorted(options, key=lambda t: (t[1], -t[0], t[2])):
+            gain = rate / incumbent - 1
+            if gain <= (self.probe_gain if probe else self.min_gain):
+                continue
+            if probe and not self._may_probe(c):
+                continue
+            desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
+            why = (f"layout {desc} measured {o.value:.1f} with {_rec(o.candidate)} (trial {o.trial_number}); "
+                   f"without that recompute's work it could beat the best by {100 * gain:.0f} %")
+            if probe:
+                return Proposal(dict(c), probe_memory=True, stage=SETTINGS_STAGE,
+                                why=f"stage 2, memory probe: {why}; only the memory estimate hides "
+                                f"{_rec(c)}, one launch tests it at its edge")
+            return Proposal(dict(c), stage=SETTINGS_STAGE, why=f"stage 2, promotion: {why}, so {_rec(c)} is measured")
+        return None
+
+    def _neighbour(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
+        """Step 3: the best setting at the next smaller and larger MBS, then each runner-up layout
+        within `mbs_reach` of the best at its next larger MBS (a larger micro-batch often gains more on
+        one layout than on another, so the order at MBS 1 is not the order at the optimum)."""
+        rate = self._speed(float(best.value))  # type: ignore[arg-type]
+        ranked = sorted((o for o in self._best.values() if o is not best
+                         and self._speed(float(o.value)) >= rate * (1 - self.mbs_reach)),  # type: ignore[arg-type]
+                        key=lambda o: -self._speed(float(o.value)))  # type: ignore[arg-type]
+        for o, down in ((best, True), *((o, False) for o in ranked)):
+            step = self._mbs_step(o, tried, down, o is best)
+            if step is not None:
+                return step
+        return None
+
+    def _mbs_step(self, best: Outcome, tried: set[tuple], down: bool, incumbent: bool) -> Proposal | None:
+        b = best.candidate
+        cands = self._by_layout.get(_layout(self.space, b), {})
+        sizes = sorted({c.get("mbs", 1) for c in cands.values()})
+        mbs = b.get("mbs", 1)
+        steps = [m for m in sizes if m > mbs][:1] + ([m for m in sizes if m < mbs][-1:] if down else [])
+        for m in steps:
+            if (self.space.key(b), m) in self._neighboured:
+                continue
+            key = self.space.key({**b, "mbs": m})
+            same = cands.get(key)
+            if same is not None and not self._screened(same):
+                pick = None if key in tried else same
+            elif m > mbs:
+                # the larger MBS needs more recompute: the lightest that fits, if it costs little work
+                ups = [c for k, c in cands.items() if k not in tried and c.get("mbs") == m
+                       and c.get("vit_gradient_checkpointing") == b.get("vit_gradient_checkpointing")
+                       and self._work(c) <= self._work(b) + NEIGHBOUR_EXTRA_WORK]
+                pick = next((c for c in sorted(ups, key=self._work) if not self._screened(c)), None)
+            else:
+                pick = None
+            if pick is not None:
+                self._neighboured.add((self.space.key(b), m))
+                who = "the best" if incumbent else "a runner-up layout's best"
+                return Proposal(dict(pick), stage=SETTINGS_STAGE,
+                                why=f"stage 2, MBS next to {who} (trial {best.trial_number}, mbs {mbs}): "
+                                f"mbs {m} with {_rec(pick)}")
+        return None
+
+    def _layout_step(self, best: Outcome) -> Proposal | None:
+        """Step 4: an unmeasured layout next to the best one (one dimension one value up or down, or
+        one up and another down), the one that measurements so far favour, at memory-safe settings."""
+        if self._layout_steps >= self.layout_steps:
+            return None
+        here = dict(_layout(self.space, best.candidate))
+        near = [lay for lay in self._by_layout if lay not in self._best and lay not in self._stage1_layouts
+                and lay not in self._stepped and self._adjacent(dict(lay), here)]
+        if not near:
+            return None
+        # What the runs so far say of each dimension's value, on their own: the mean log of each measured
+        # layout's best (its recompute work taken out), per value, relative to the mean of all. A
+        # neighbour scores the sum over the values it changes; no model of the trainer is involved.
+        # (a score that is not a positive number, e.g. 0 from a broken log line, says nothing of speed)
+        rows = [(dict(lay), math.log(self._speed(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
+                for lay, o in self._best.items() if math.isfinite(float(o.value)) and float(o.value) > 0]  # type: ignore[arg-type]
+        if not rows:
+            return None
+        mean = sum(r for _, r in rows) / len(rows)
+        effect: dict[str, dict] = {}
+        for d in here:
+            groups: dict = {}
+            for lay, r in rows:
+                groups.setdefault(lay.get(d), []).append(r)
+            effect[d] = {v: sum(rs) / len(rs) - mean for v, rs in groups.items()}
+
+        def score(lay: tuple) -> float:
+            n = dict(lay)
+            return sum(effect[d].get(n.get(d), 0.0) - effect[d].get(here[d], 0.0) for d in here if n.get(d) != here[d])
+
+        pick = max(near, key=score)  # max keeps the first of equals: the space's order
+        self._stepped.add(pick)
+        self._layout_steps += 1
+        desc = " ".join(f"{k}={v}" for k, v in pick)
+        return Proposal(self._safe_settings(dict(pick)), stage=SETTINGS_STAGE,
+                        why=f"stage 2, layout next to the best (trial {best.trial_number}): {desc}, the one the "
+                        f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
+
+    def _adjacent(self, a: dict, b: dict) -> bool:
+        """One dimension one value apart, or two dimensions one value apart in opposite directions."""
+        moves = []
+        for d in b:
+            vals = self._values.setdefault(d, sorted({dict(lay).get(d) for lay in self._by_layout}))
+            if a.get(d) != b[d]:
+                if a.get(d) not in vals:
+                    return False
+                moves.append(vals.index(a.get(d)) - vals.index(b[d]))
+        return moves in ([1], [-1]) or sorted(moves) == [-1, 1]
+
     # --- both --------------------------------------------------------------------------------------
     def ask(self) -> Proposal | None:
         if not self._stage1_done:
@@ -118,23 +340,39 @@ class StagedBlackboxStrategy(Strategy):
                                 stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS, complete=self._safe_settings)
             self._stage1_done = True
             self._streak = 0
-        ranked = sorted(((lay, v) for lay, v in self._best.items() if self._untried(lay)),
-                        key=lambda kv: kv[1], reverse=self.direction == "maximize")
+        best = self.best()
+        if best is not None:
+            tried = self.tried_keys()
+            rate = self._speed(float(best.value))  # type: ignore[arg-type]
+            step = self._promotion(rate, tried) or self._neighbour(best, tried) or self._layout_step(best)
+            if step is not None:
+                return step
+        ranked = sorted(((lay, o) for lay, o in self._best.items() if self._untried(lay)),
+                        key=lambda kv: self._speed(float(kv[1].value)), reverse=True)  # type: ignore[arg-type]
         if not ranked:
             return None
         top = ranked[: self.top_layouts]
         self._stage2_asked += 1
         i = 0 if len(top) == 1 or self._stage2_asked % 3 else 1 + (self._stage2_asked // 3) % (len(top) - 1)
-        lay, value = top[i]
+        lay, o = top[i]
         desc = " ".join(f"{k}={v}" for k, v in lay)
         if self._streak >= self.patience:
             cand = self._rng.choice(self._untried(lay))
             return Proposal(dict(cand), why=f"stage 2: TPE repeated itself; an untried setting of layout #{i + 1} "
                             f"{desc} at random", stage=SETTINGS_STAGE)
         return Proposal(dict(lay), why=f"stage 2: TPE tunes mbs/recompute on layout #{i + 1} {desc} "
-                        f"(best so far {value:.1f})", stage=SETTINGS_STAGE)
+                        f"(best so far {o.value:.1f})", stage=SETTINGS_STAGE)
 
 
 def _layout(space, cand: dict) -> tuple:
     n = space.normalize(cand)
     return tuple((k, n[k]) for k in LAYOUT_PARAMS if k in n)
+
+
+def _rec(c: dict) -> str:
+    g = c.get("recompute_granularity", "none")
+    s = f"recompute {g}" if g != "full" else \
+        f"full recompute ({c.get('recompute_method')}, {c.get('recompute_num_layers')} layers)"
+    if c.get("vit_gradient_checkpointing") is not None:
+        s += f", ViT checkpointing {'on' if c['vit_gradient_checkpointing'] else 'off'}"
+    return s
