@@ -162,6 +162,12 @@ class HeuristicStrategy(Strategy):
         ooms = sum(1 for o in self.history if o.launched and o.kind == "oom")
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
+            if ooms >= self.max_ooms and not self.memory.proven_fit(lay, ctx.model, **kw):
+                # budget spent: nothing the learned model puts above the largest run that fit
+                ran = [g for o in self.history if o.ok and (g := self.predict_gb(o.candidate)) is not None]
+                if ran and gb > max(ran) + 1e-9:
+                    return False, (f"{gb:.0f}/{cap:g} GB, above the largest run that fit ({max(ran):.0f} GB) "
+                                   f"after {ooms} OOM")
             risk = self._risk(c)
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
