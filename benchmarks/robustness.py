@@ -118,6 +118,15 @@ def _cache_key(sc: Scenario, seed: int, scale: float) -> str:
     return f"{_sim_hash()}/{sc.name}/{sc.command()}/{scale}/{seed}"
 
 
+def save_cache(cache: dict[str, dict]) -> None:
+    """Write the cache, keeping only what this code can reuse: entries of other simulator or tuner
+    versions would only grow the tracked file."""
+    sim, code = _sim_hash(), _code_hash()
+    keep = {k: v for k, v in cache.items()
+            if (k.startswith("study/") and k.split("/")[1] == code) or k.split("/")[0] == sim}
+    CACHE.write_text(json.dumps(keep, indent=0))
+
+
 def load_cache() -> dict[str, dict]:
     try:
         return json.loads(CACHE.read_text())
@@ -271,12 +280,12 @@ def main(argv: list[str] | None = None) -> int:
                 cache = load_cache()
                 cache.update({_cache_key(sc, seed, args.scale): {"value": o.value, "candidate": o.candidate}
                               for seed, o in out.items()})
-                CACHE.write_text(json.dumps(cache, indent=0))
+                save_cache(cache)
             else:
                 studies.append((task[1], task[4], task[3], out))
                 cache = load_cache()
                 cache[_study_key(task)] = dict(out.__dict__)
-                CACHE.write_text(json.dumps(cache, indent=0))
+                save_cache(cache)
             print(f"[{i}/{len(tasks)}] {task[1]} {task[0] if task[0] == 'sweep' else f'{task[3]} seed={task[4]}'} "
                   f"({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
     finally:
