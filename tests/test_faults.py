@@ -219,16 +219,31 @@ def test_grid_is_never_stopped_by_proposals_it_cannot_launch():
     assert len([o for o in loop.outcomes if o.launched]) == len(launchable)  # every launchable one, once
 
 
-@pytest.mark.parametrize("after", [0.5, 2.0])
-def test_a_stop_signal_while_starting_up_is_one_line_and_128_plus_signal(tmp_path, after):
-    proc = subprocess.Popen([sys.executable, "-m", "zenithtune", "-m", "n_gpus=8", "gbs=64", "n_trials=2"],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(after)  # composing the config or building the job, wherever it is now
+# The simulator paced so each trial lasts seconds: the study is still running whenever the signal lands,
+# however fast the machine (unpaced, a 2-trial study can end before a 2 s signal on a fast machine).
+PACED_SIM = [sys.executable, "-m", "zenithtune.sim", "--num-layers=32", "--hidden-size=4096",
+             "--ffn-hidden-size=14336", "--num-attention-heads=32", "--group-query-attention", "--num-query-groups=8",
+             "--seq-length=8192", "--max-position-embeddings=8192", "--vocab-size=128256", "--swiglu",
+             "--disable-bias-linear", "--micro-batch-size=1", "--global-batch-size=64", "--train-iters=10", "--bf16",
+             "--use-distributed-optimizer", "--log-throughput", "--sim-world-size=8", "--sim-time-scale=0.1"]
+
+
+@pytest.mark.parametrize("after", [0.5, 2.0, 6.0])
+def test_a_stop_signal_at_any_moment_is_one_line_and_128_plus_signal(tmp_path, after):
+    """Importing (0.5 s), composing / building the job or the first trial (2 s), inside a trial (6 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "zenithtune", "-m", "n_gpus=8", "gbs=64", "n_trials=3", "--",
+                             *PACED_SIM], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    time.sleep(after)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     # Before the handler is installed (importing), the default action ends it (-15): nothing started yet.
     assert proc.returncode in (143, -signal.SIGTERM) and "Traceback" not in out, out[-3000:]
-    assert proc.returncode == -signal.SIGTERM or "SIGTERM" in out
+    assert proc.returncode == -signal.SIGTERM or "SIGTERM" in out, out[-3000:]
+    if after >= 6.0 or "done (interrupted)" in out:  # the study had begun: trial recorded, resume hint printed
+        assert "1 interrupted)" in out, out[-3000:]
+        assert "interrupted: the tuner received SIGTERM; the running trial's process group was stopped" in out
+        assert "storage=" in out.splitlines()[-1]
 
 
 def test_a_model_config_with_a_negative_size_is_one_line(tmp_path):

@@ -219,12 +219,16 @@ def test_full_disk_mid_run_stops_the_trial_instead_of_hanging(monkeypatch: pytes
     assert not alive(res.process.pid)
 
 
+# The peak is this process's own VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a child
+# of a pytest grown to 400 MB would report 400 MB whatever it did (seen in the full suite).
 LONG_LINE_TUNER = """
-import resource, sys
+import re, sys
+from pathlib import Path
 from zenithtune.run import run
 seen = []
 res = run(sys.argv[1:], log_path=None, timeout=120, on_line=lambda l: seen.append(len(l)))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, max(seen), len(seen), res.returncode)
+hwm_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+print(hwm_kb // 1024, max(seen), len(seen), res.returncode)
 """
 
 

@@ -164,9 +164,10 @@ class Progress(Callbacks):
         self.pruned += 1
         self._update(pruned=self.pruned)
 
-    def interrupted(self, url: str, hint: str | None = None) -> None:
+    def interrupted(self, url: str, hint: str | None = None, reason: str = "interrupted") -> None:
+        """`reason` names the stop (signals.reason(): Ctrl-C, or the signal a scheduler sent)."""
         self.close()
-        self.line("interrupted: the running trial's process group was stopped and the trial recorded as interrupted")
+        self.line(f"{reason}; the running trial's process group was stopped and the trial recorded as interrupted")
         self.line("resume (finished trials are kept, the interrupted one may be retried):")
         self.line(f"  {hint}" if hint else f"  the same command plus storage={url}")
 

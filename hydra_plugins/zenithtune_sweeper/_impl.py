@@ -155,7 +155,7 @@ class StudyRunner:
         except KeyboardInterrupt:
             loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
-            progress.interrupted(url, self._resume_hint(url))
+            progress.interrupted(url, self._resume_hint(url), signals.reason())
             stop = StudyInterrupted("")
             stop.exit_code = signals.exit_code()  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
             raise stop from None
