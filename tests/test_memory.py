@@ -148,7 +148,8 @@ def test_a_measured_config_is_predicted_at_what_it_measured():
 def test_components_are_fitted_apart_when_runs_differ_in_what_dominates():
     # a trainer whose activations take 40 % more than estimated, weights and optimizer as estimated:
     # one run at mbs 1 and one at mbs 4 tell the components apart, and an unseen mbs 2 is predicted
-    mm = MemoryModel(80)
+    # (on a 141 GB GPU: on 80 GB, a run allocating 78 GB would also prove less than 4 GB outside PyTorch)
+    mm = MemoryModel(141)
     runs = [Layout(8, 64, tp=2, sequence_parallel=True, mbs=b, **SEL) for b in (1, 4)]
     for lay in runs:
         mm.observe_success(lay, LLAMA8, measured_peak_gb=_truth(estimate(lay, LLAMA8), activations=1.4))
@@ -160,6 +161,42 @@ def test_components_are_fitted_apart_when_runs_differ_in_what_dominates():
     true_total = fixed + (1 + memory.FRAGMENTATION) * _truth(est, activations=1.4)
     assert mm.predict(unseen, LLAMA8) == pytest.approx(true_total, rel=0.03)
     # one global scale could not do this: it would split the difference between the two runs
+
+
+def test_a_run_that_fit_bounds_what_lies_outside_pytorch():
+    # the default assumes 4 GB of CUDA context and NCCL buffers; PyTorch's own OOM messages typically
+    # show 1-2 GB. A run reserving all but 3 GB of the GPU fitted: at most 3 GB is outside the allocator,
+    # and every prediction drops by the difference (a config the default puts just past the limit may run).
+    ran = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, recompute_granularity="none")
+    alloc = estimate(ran, LLAMA8).allocated_gb  # this trainer allocates as estimated...
+    reserved = 1.05 * alloc  # ...fragments 5 %
+    capacity = reserved + 3.0
+    mm, fresh = MemoryModel(capacity), MemoryModel(capacity)
+    mm.observe_success(ran, LLAMA8, measured_peak_gb=alloc, reserved_gb=reserved)
+    assert mm.fixed_cap_gb == pytest.approx(3.0)
+    assert mm.predict(ran, LLAMA8) == pytest.approx(capacity, rel=0.01)  # it fit: predicted at the GPU, not past
+    assert fresh.predict(ran, LLAMA8) > capacity + 1.0 + 0.04 * alloc
+    assert "non-PyTorch <= 3.0 GB" in (mm.predicted_oom(replace(ran, mbs=4), LLAMA8) or "")
+    plain = MemoryModel(capacity)
+    plain.observe_success(ran, LLAMA8, measured_peak_gb=alloc)  # no "max reserved" line
+    assert plain.fixed_cap_gb == pytest.approx(capacity - alloc)  # allocated <= reserved: a looser proof
+
+
+def test_fragmentation_is_learned_per_recompute_kind():
+    # full recompute frees and re-allocates each layer's working set: its runs fragment more. A run of
+    # each kind; a new config is predicted with its own kind's measured fragmentation, not the median.
+    mm = MemoryModel(141)
+    none = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, recompute_granularity="none")
+    full = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, recompute_granularity="full",
+                  recompute_method="uniform", recompute_num_layers=1)
+    for lay, frag in ((none, 1.02), (full, 1.20), (replace(full, mbs=2), 1.20)):
+        est = estimate(lay, LLAMA8)
+        mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb, reserved_gb=frag * est.allocated_gb)
+    assert mm.fragmentation == pytest.approx(0.20)  # the median of all three
+    unseen = replace(none, mbs=2)
+    est = estimate(unseen, LLAMA8)
+    fixed = est.overhead_gb - memory.FRAGMENTATION * est.allocated_gb
+    assert mm.predict(unseen, LLAMA8) == pytest.approx(fixed + 1.02 * est.allocated_gb, rel=0.02)
 
 
 def test_an_oom_rules_out_other_layouts_whose_learned_estimate_is_as_large():

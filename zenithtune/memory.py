@@ -75,6 +75,7 @@ class MemoryEstimate:
     # the routed tokens' copies and expert FFN intermediates of MoE layers, and the output logits
     expert_activations_gb: float = 0.0
     logits_gb: float = 0.0
+    full_recompute: bool = False  # the caching allocator fragments differently when layers are recomputed
 
     @property
     def total_gb(self) -> float:
@@ -268,7 +269,8 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
         return MemoryEstimate(
             weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB, optimizer_gb=optimizer / GIB,
             activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name,
-            expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB)
+            expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB,
+            full_recompute=layout.recompute_granularity == "full")
 
     if p == 1:
         emb_all = emb * (1 if sh.tied else 2)
@@ -341,8 +343,9 @@ class MemoryModel:
         self.defaults: dict[str, Any] = {"distributed_optimizer": distributed_optimizer, "overhead_gb": overhead_gb,
                                          "flash_attention": flash_attention}
         self._measured: list[tuple[np.ndarray, float]] = []  # (components, measured allocated GB)
-        self._bounds: list[tuple[np.ndarray, float]] = []  # (components, allocated GB it needed at least)
-        self._frag: list[float] = []  # measured reserved / allocated
+        self._bounds: list[tuple[MemoryEstimate, float]] = []  # (what ran out of memory, GB it needed at least)
+        self._frag: list[tuple[bool, float]] = []  # (full recompute?, measured reserved / allocated)
+        self._fixed_cap: float | None = None  # what runs that fit prove the non-PyTorch part is at most (GB)
         self._ok: list[MemoryEstimate] = []  # what ran
         self._oom: list[MemoryEstimate] = []  # what ran out of memory
         n = len(COMPONENTS)
@@ -361,7 +364,14 @@ class MemoryModel:
 
     @property
     def fragmentation(self) -> float:
-        return statistics.median(self._frag) - 1 if self._frag else FRAGMENTATION
+        """Reserved beyond allocated, as a share: measured (median), else FRAGMENTATION."""
+        return statistics.median(f for _, f in self._frag) - 1 if self._frag else FRAGMENTATION
+
+    def _fragmentation(self, est: MemoryEstimate) -> float:
+        """The fragmentation measured on runs that recompute like this one (full recompute frees and
+        re-allocates every layer's working set, which fragments the allocator differently), else on any."""
+        alike = [f for full, f in self._frag if full == est.full_recompute]
+        return statistics.median(alike) - 1 if alike else self.fragmentation
 
     @property
     def ooms(self) -> int:
@@ -379,11 +389,18 @@ class MemoryModel:
 
     def _fixed(self, est: MemoryEstimate) -> float:
         """The part outside PyTorch's allocator (CUDA context, NCCL): the estimate's overhead without
-        its fragmentation share."""
-        return est.overhead_gb - FRAGMENTATION * est.allocated_gb
+        its fragmentation share, or less where a run that fit proves it (`fixed_cap_gb`)."""
+        assumed = est.overhead_gb - FRAGMENTATION * est.allocated_gb
+        return assumed if self._fixed_cap is None else min(assumed, self._fixed_cap)
+
+    @property
+    def fixed_cap_gb(self) -> float | None:
+        """At most this much of the GPU is outside PyTorch's allocator, as proven by the fullest run that
+        fit (capacity minus its "max reserved"); None before any run reported its memory."""
+        return self._fixed_cap
 
     def _corrected(self, est: MemoryEstimate) -> float:
-        return self._fixed(est) + (1 + self.fragmentation) * float(self._x(est) @ self._w)
+        return self._fixed(est) + (1 + self._fragmentation(est)) * float(self._x(est) @ self._w)
 
     def _fit(self) -> None:
         """Posterior mean of the multipliers given the measured peaks, subject to what every OOM proves
@@ -399,13 +416,15 @@ class MemoryModel:
             sd = np.maximum(MEASURED_SD * y, 1e-3)
             A = A + (X / sd[:, None] ** 2).T @ X
             b = b + (X / sd[:, None] ** 2).T @ y
-        C = np.array([x for x, _ in self._bounds]).reshape(len(self._bounds), n)
-        d = np.array([v for _, v in self._bounds])
+        # in allocated terms: what the allocator must have handed out for the total to exceed the need
+        # (converted now, with what is known now of the non-PyTorch part and the fragmentation)
+        C = np.array([self._x(e) for e, _ in self._bounds]).reshape(len(self._bounds), n)
+        d = np.array([(need - self._fixed(e)) / (1 + self._fragmentation(e)) for e, need in self._bounds])
         w = _bounded_least_squares(A, b, C, d)
         # what an OOM proves is not negotiable: a bound the solver could not meet (the clip, or bounds
         # that contradict measured runs) is made up uniformly
         w = np.clip(w, 0.3, 3.0)
-        short = max((y / float(x @ w) for x, y in self._bounds if float(x @ w) > 0), default=1.0)
+        short = max((y / float(x @ w) for x, y in zip(C, d) if float(x @ w) > 0), default=1.0)
         self._w = w * max(short, 1.0)
         self._cov = np.linalg.inv(A)
 
@@ -420,7 +439,7 @@ class MemoryModel:
         if est is None:
             return None
         x = self._x(est)
-        fitted = (1 + self.fragmentation) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
+        fitted = (1 + self._fragmentation(est)) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
         return math.hypot(fitted, self.model_error * self._corrected(est))
 
     @property
@@ -434,10 +453,20 @@ class MemoryModel:
         """Needs a no more of every component than b (so a fits wherever b did, whatever the fit)."""
         return bool(np.all(a <= b * (1 + 1e-6) + 1e-9))
 
+    def _fits_like(self, est: MemoryEstimate, ok: MemoryEstimate) -> bool:
+        """Does `est` surely fit because `ok` ran: no more of any component and, recomputing otherwise
+        (the allocator fragments differently), no larger a reservation as learned."""
+        if not self._within(self._x(est), self._x(ok)):
+            return False
+        if est.full_recompute == ok.full_recompute:
+            return True
+        reserve = lambda e: (1 + self._fragmentation(e)) * float(self._x(e) @ self._w)  # noqa: E731
+        return reserve(est) <= reserve(ok)
+
     def proven_fit(self, layout: Layout, model: ModelInfo, **kw: Any) -> bool:
         """Does a configuration that already ran need at least as much of every component?"""
         est = self._estimate(layout, model, **kw)
-        return est is not None and any(self._within(self._x(est), self._x(ok)) for ok in self._ok)
+        return est is not None and any(self._fits_like(est, ok) for ok in self._ok)
 
     def predicted_oom(self, layout: Layout, model: ModelInfo, **kw: Any) -> str | None:
         """Why this config would surely run out of memory, or None."""
@@ -445,7 +474,7 @@ class MemoryModel:
         if est is None:
             return None
         x = self._x(est)
-        if any(self._within(x, self._x(ok)) for ok in self._ok):
+        if any(self._fits_like(est, ok) for ok in self._ok):
             return None  # something needing at least as much of everything already ran
         for bad in self._oom:
             # ...and clearly more in total: fragmentation differs between configurations (full recompute,
@@ -461,6 +490,8 @@ class MemoryModel:
                         f"out of memory")
         if need > self.limit_gb:
             moved = [f"{k} x{v:.2f}" for k, v in self.scales.items() if abs(v - 1) >= 0.005]
+            if self._fixed_cap is not None and self._fixed(est) < est.overhead_gb - FRAGMENTATION * est.allocated_gb:
+                moved.append(f"non-PyTorch <= {self._fixed(est):.1f} GB")
             learned = f", learned {' '.join(moved)}" if moved and (self._measured or self._bounds) else ""
             return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.safety_margin:.2f} "
                     f"margin ({est.breakdown()}{learned})")
@@ -491,8 +522,13 @@ class MemoryModel:
         x = self._x(est)
         self._miss(float(measured_peak_gb), float(x @ self._w), math.sqrt(max(float(x @ self._cov @ x), 0.0)))
         self._measured.append((self._x(est), float(measured_peak_gb)))
+        footprint = float(measured_peak_gb)  # reserved >= allocated: without it, a looser proof
         if reserved_gb is not None and 1.0 <= reserved_gb / measured_peak_gb <= 2.0:
-            self._frag.append(reserved_gb / measured_peak_gb)
+            self._frag.append((est.full_recompute, reserved_gb / measured_peak_gb))
+            footprint = float(reserved_gb)
+        # it fit, so everything outside the allocator took at most what its peak left of the GPU
+        room = max(self.capacity_gb - footprint, 0.0)
+        self._fixed_cap = room if self._fixed_cap is None else min(self._fixed_cap, room)
         self._fit()
 
     def observe_oom(self, layout: Layout, model: ModelInfo, *, needed_gb: float | None = None, **kw: Any) -> None:
@@ -504,10 +540,9 @@ class MemoryModel:
         self._oom.append(est)
         need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
         x = self._x(est)
-        scale = 1 + self.fragmentation
+        scale = 1 + self._fragmentation(est)
         self._miss(need, self._corrected(est), scale * math.sqrt(max(float(x @ self._cov @ x), 0.0)), at_least=True)
-        # in allocated terms: what the allocator must have handed out for the total to exceed `need`
-        self._bounds.append((self._x(est), (need - self._fixed(est)) / (1 + self.fragmentation)))
+        self._bounds.append((est, need))
         self._fit()
 
 
