@@ -26,7 +26,8 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
    Each is measured once.
 4. Layout steps: up to `layout_steps` unmeasured layouts next to the best one (one dimension one value
-   up or down, or one up and another down), at memory-safe settings; the next is the one whose changed
+   up or down, or one up and another down; where none is left, one or two dimensions to any value: a
+   MoE space's valid layouts are sparse), at memory-safe settings; the next is the one whose changed
    values did best in the runs so far (mean log throughput per dimension value, recompute work taken
    out). Stage 1's budget covers few layouts of a large MoE space; this walks from where it landed.
 5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
@@ -106,9 +107,9 @@ class StagedBlackboxStrategy(Strategy):
         self._streak = 0  # proposals in a row (this stage) that could not be launched
         self._screen_memo: dict[tuple, str | None] = {}
         self._neighboured: set[tuple] = set()  # (best's key, mbs) already proposed as an MBS neighbour
+        self._values: dict[str, list] = {}  # each layout dimension's values, sorted
         self._stepped: set[tuple] = set()  # layouts proposed as a step from the best
         self._layout_steps = 0
-        self._values: dict[str, list] = {}  # each layout dimension's values, sorted
         super().setup(space, memory, [])
         for o in history:
             self.tell(o)
@@ -284,8 +285,11 @@ class StagedBlackboxStrategy(Strategy):
         if self._layout_steps >= self.layout_steps:
             return None
         here = dict(_layout(self.space, best.candidate))
-        near = [lay for lay in self._by_layout if lay not in self._best and lay not in self._stage1_layouts
-                and lay not in self._stepped and self._adjacent(dict(lay), here)]
+        unmeasured = [lay for lay in self._by_layout if lay not in self._best and lay not in self._stage1_layouts
+                      and lay not in self._stepped]
+        # the nearest first: one value up or down; where none is left, one or two dimensions to any value
+        near = [lay for lay in unmeasured if self._adjacent(dict(lay), here) == 1] or \
+            [lay for lay in unmeasured if self._adjacent(dict(lay), here) == 2]
         if not near:
             return None
         # What the runs so far say of each dimension's value, on their own: the mean log of each measured
@@ -316,16 +320,19 @@ class StagedBlackboxStrategy(Strategy):
                         why=f"stage 2, layout next to the best (trial {best.trial_number}): {desc}, the one the "
                         f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
 
-    def _adjacent(self, a: dict, b: dict) -> bool:
-        """One dimension one value apart, or two dimensions one value apart in opposite directions."""
+    def _adjacent(self, a: dict, b: dict) -> int:
+        """How near layout a is to b: 1 for one dimension one value up or down, or two dimensions one
+        value apart in opposite directions; 2 for one or two dimensions changed to any value (the valid
+        layouts of a MoE space are sparse, since EP x ETP must divide what TP x CP x DP leave, so the
+        move that matters may be two values at once: more EP, less ETP); 0 for anything farther."""
         moves = []
         for d in b:
-            vals = self._values.setdefault(d, sorted({dict(lay).get(d) for lay in self._by_layout}))
             if a.get(d) != b[d]:
-                if a.get(d) not in vals:
-                    return False
-                moves.append(vals.index(a.get(d)) - vals.index(b[d]))
-        return moves in ([1], [-1]) or sorted(moves) == [-1, 1]
+                vals = self._values.setdefault(d, sorted({dict(lay).get(d) for lay in self._by_layout}))
+                moves.append(vals.index(a.get(d)) - vals.index(b[d]) if a.get(d) in vals else 99)
+        if moves in ([1], [-1]) or sorted(moves) == [-1, 1]:
+            return 1
+        return 2 if 1 <= len(moves) <= 2 else 0
 
     # --- both --------------------------------------------------------------------------------------
     def ask(self) -> Proposal | None:
