@@ -324,6 +324,20 @@ def test_heuristic_probes_once_past_a_pessimistic_memory_screen():
     assert best1 > best0 * 1.01
 
 
+def test_heuristic_does_not_probe_what_the_memory_model_all_but_rules_out():
+    # the same study: its probe names the risk the learned memory model gives it; with probe_risk below
+    # that risk the probe is not launched (a 99 %-risk probe teaches little and costs an OOM)
+    import re
+
+    loop1, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16",)), 30, memory_report=False)
+    probe = next(o for o in launched(loop1) if o.probe)
+    risk = int(re.search(r"(\d+) % risk of running out of memory", probe.why).group(1))
+    assert 0 < risk <= 95  # the default probe_risk, 0.95
+    capped, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16", f"strategy.probe_risk={(risk - 1) / 100}")),
+                      30, memory_report=False)
+    assert not any(o.probe for o in launched(capped))
+
+
 def test_heuristic_does_not_probe_again_after_a_probe_runs_out_of_memory():
     job = make_job("heuristic", extra=("gpu_memory_gb=16",))
     loop, _ = study(job, 30, oom_if=lambda cand: (job.predict_gb(cand) or 0) > 16 * 1.02, memory_report=False)

@@ -27,7 +27,8 @@ How it chooses (each launch says which of these made it):
    and after `max_ooms` OOMs, more than RISK_DONE (so a study spends at most about `max_ooms`); a
    larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
    crashed. When nothing the screen allows could beat the best, one budgeted memory probe
-   (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk.
+   (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
+   among those the learned memory model gives at most `probe_risk` of running out.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster.
 6. Exhausted when nothing left could beat the best: ask() returns None.
@@ -59,7 +60,7 @@ class HeuristicStrategy(Strategy):
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
-                 oom_risk: float = 0.5):
+                 oom_risk: float = 0.5, probe_risk: float = 0.95):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -73,12 +74,13 @@ class HeuristicStrategy(Strategy):
         self.cp_min_tokens = int(cp_min_tokens)
         self.tp_within_node = bool(tp_within_node)
         self.test_both_granularities = bool(test_both_granularities)
-        if memory_probes < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1:
-            raise ValueError(f"memory_probes={memory_probes} (>= 0), probe_reach={probe_reach} (0..0.5) and "
-                             f"probe_gain={probe_gain} (0..1) are out of range")
+        if memory_probes < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1 or not 0 < probe_risk <= 1:
+            raise ValueError(f"memory_probes={memory_probes} (>= 0), probe_reach={probe_reach} (0..0.5), "
+                             f"probe_gain={probe_gain} (0..1) or probe_risk={probe_risk} (0..1) is out of range")
         self.memory_probes = int(memory_probes)  # launches allowed past the memory screen per study
         self.probe_reach = float(probe_reach)  # ... only up to capacity x (1 + this) predicted
         self.probe_gain = float(probe_gain)  # ... and only when predicted to beat the best by this much
+        self.probe_risk = float(probe_risk)  # ... and not when the learned memory model all but rules it out
         if max_ooms < 0 or not 0 < oom_risk <= 1:
             raise ValueError(f"max_ooms={max_ooms} (>= 0) or oom_risk={oom_risk} (0..1, 0.25: one launch in four "
                              f"may run out of memory) is out of range")
@@ -286,9 +288,9 @@ class HeuristicStrategy(Strategy):
                    f"{self._shown(target)}")
             if fits:
                 return Proposal(dict(cand), why=f"{why}; {mem}")
-            if pred[j] > target * (1 + self.probe_gain) and self._probe_ok(cand):
+            r = max(self._risk(cand), 0.01)
+            if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
                 # the probe worth most: expected gain per risk of running out of memory
-                r = max(self._risk(cand), 0.01)
                 worth = (1 - r) * (pred[j] / target - 1) / r
                 if probe is None or worth > probe[0]:
                     probe = (worth, Proposal(dict(cand), probe_memory=True,
