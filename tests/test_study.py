@@ -228,3 +228,22 @@ def test_an_ms_swift_study_explains_itself_in_seconds_per_iteration(tmp_path):
     assert pairs, r.stdout
     assert all(0.5 < p / b < 2 for p, b in pairs), pairs
     assert "TFLOP/s x" in r.stdout  # the prior's unit is named
+
+
+def test_sizes_and_durations_read_back_from_a_study_db_are_numbers_or_nothing():
+    # A study db is untrusted input: a hand-edited or foreign one may hold anything in a trial's attrs.
+    # What is not a finite, non-negative number is dropped, never handed to the memory model or timeouts
+    # (a string "70" as measured_gb used to end a resumed study with a TypeError).
+    from optuna.distributions import IntDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from zenithtune import record
+
+    attrs = {"launched": True, "candidate": {"tp": 2}, "measured_gb": "70", "reserved_gb": -5.0,
+             "needed_gb": True, "duration": 12, "predicted_gb": float("nan")}
+    t = create_trial(state=TrialState.COMPLETE, value=500.0, params={"tp": 2},
+                     distributions={"tp": IntDistribution(1, 8)}, user_attrs=attrs)
+    o = record.outcome_of(t)
+    assert o is not None and o.ok and o.candidate == {"tp": 2}
+    assert (o.measured_gb, o.reserved_gb, o.needed_gb, o.predicted_gb) == (None,) * 4
+    assert o.duration == 12.0

@@ -11,6 +11,7 @@ PRUNED (never launched: `rules` and `reasons` say why).
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -133,6 +134,14 @@ def store(trial: optuna.Trial, o: Outcome) -> None:
             trial.set_user_attr(key, value)
 
 
+def _amount(value: Any) -> float | None:
+    """A stored size or duration, or None: a study db is untrusted input, and a string, a bool or a
+    negative or infinite number in it must not reach the memory model or the timeouts."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
 def outcome_of(t: FrozenTrial) -> Outcome | None:
     """A stored trial as a strategy sees it (None for one still running)."""
     from optuna.trial import TrialState
@@ -150,9 +159,9 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
     return Outcome(
         candidate=dict(a.get(Attr.CANDIDATE) or t.params), state=state,
         value=t.value if state == "complete" else None, kind=kind, reasons=reasons,
-        rules=list(a.get(Attr.RULES) or []), launched=launched, duration=a.get(Attr.DURATION),
-        predicted_gb=a.get(Attr.PREDICTED_GB), measured_gb=a.get(Attr.MEASURED_GB),
-        reserved_gb=a.get(Attr.RESERVED_GB), needed_gb=a.get(Attr.NEEDED_GB), trial_number=t.number,
+        rules=list(a.get(Attr.RULES) or []), launched=launched, duration=_amount(a.get(Attr.DURATION)),
+        predicted_gb=_amount(a.get(Attr.PREDICTED_GB)), measured_gb=_amount(a.get(Attr.MEASURED_GB)),
+        reserved_gb=_amount(a.get(Attr.RESERVED_GB)), needed_gb=_amount(a.get(Attr.NEEDED_GB)), trial_number=t.number,
         stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
         argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT))
 
