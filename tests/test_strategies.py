@@ -243,6 +243,22 @@ def test_staged_probes_past_the_memory_screen_at_most_memory_probes_times():
     assert probes[0].value == max(o.value for o in launched(loop) if o.ok)
 
 
+def test_staged_does_not_probe_what_the_memory_model_all_but_rules_out():
+    # the same study: its first probe states the risk the learned memory model gives it; with
+    # probe_risk below that risk, that candidate is never launched past the screen
+    import re
+
+    job = make_job("staged_blackbox", extra=("gpu_memory_gb=12", "strategy.probe_reach=0.2"))
+    loop, _ = study(job, 30, memory_report=False)
+    first = next(o for o in launched(loop) if o.probe)
+    risk = int(re.search(r"\((\d+) % risk of running out of memory\)", first.why).group(1))
+    assert 0 < risk <= 95  # the default probe_risk, 0.95
+    capped = make_job("staged_blackbox", extra=("gpu_memory_gb=12", "strategy.probe_reach=0.2",
+                                                f"strategy.probe_risk={(risk - 1) / 100}"))
+    loop2, _ = study(capped, 30, memory_report=False)
+    assert not any(o.probe and o.candidate == first.candidate for o in launched(loop2))
+
+
 def test_staged_stops_probing_after_an_oom():
     # the same study on a trainer where everything the screen hides does run out of memory: one probe
     # (an OOM), then never another, whatever the budget left

@@ -22,6 +22,7 @@ on the last outcome sets ``sequential = True`` and is asked once per wave.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +98,20 @@ class Strategy(ABC):
 
     def tried(self, cand: Candidate) -> bool:
         return self.space.key(cand) in self.tried_keys()
+
+    def risk_of_oom(self, cand: Candidate) -> float:
+        """Probability that the candidate runs out of memory, from the study's learned memory model and
+        its uncertainty (`MemoryModel.predict_sd`); 0 when a configuration needing at least as much of
+        every memory component already ran, or without a memory model."""
+        if self.memory is None:
+            return 0.0
+        args = self.space.memory_args(cand)
+        if self.memory.proven_fit(**args):
+            return 0.0
+        gb, sd = self.memory.predict(**args), self.memory.predict_sd(**args)
+        if gb is None or not sd:
+            return 0.0
+        return 0.5 * math.erfc((self.space.ctx.gpu_memory_gb - gb) / (sd * math.sqrt(2)))
 
     def predict_gb(self, cand: Candidate) -> float | None:
         """The study's memory prediction for a candidate (None without a memory model or shape)."""

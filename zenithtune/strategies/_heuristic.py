@@ -170,25 +170,11 @@ class HeuristicStrategy(Strategy):
                 if ran and gb > max(ran) + 1e-9:
                     return False, (f"{gb:.0f}/{cap:g} GB, above the largest run that fit ({max(ran):.0f} GB) "
                                    f"after {ooms} OOM")
-            risk = self._risk(c)
+            risk = self.risk_of_oom(c)
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
                                f"above {100 * allowed:g} % after {ooms} OOM")
         return True, f"{gb:.0f}/{cap:g} GB"
-
-    def _risk(self, c: dict) -> float:
-        """Probability that the candidate runs out of memory, from the memory model's learned prediction
-        and its uncertainty (`MemoryModel.predict_sd`); 0 when a configuration
-        needing at least as much of every memory component already ran."""
-        if self.memory is None:
-            return 0.0
-        args = self.space.memory_args(c)
-        if self.memory.proven_fit(**args):
-            return 0.0
-        gb, sd = self.memory.predict(**args), self.memory.predict_sd(**args)
-        if gb is None or not sd:
-            return 0.0
-        return 0.5 * math.erfc((self.space.ctx.gpu_memory_gb - gb) / (sd * math.sqrt(2)))
 
     # --- what the measurements say ------------------------------------------------------------------
     def _speed(self, o: Outcome) -> float:
@@ -272,7 +258,7 @@ class HeuristicStrategy(Strategy):
         # the memory limit a launch may run out of memory and teach nothing about speed, so a candidate's
         # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
         hopeful = np.flatnonzero(ucb > target * (1 + self.min_gain))
-        risk = np.array([self._risk(self._pool[at[j]]) for j in hopeful])
+        risk = np.array([self.risk_of_oom(self._pool[at[j]]) for j in hopeful])
         order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
         for j in order:
             cand = self._pool[at[j]]
@@ -288,7 +274,7 @@ class HeuristicStrategy(Strategy):
                    f"{self._shown(target)}")
             if fits:
                 return Proposal(dict(cand), why=f"{why}; {mem}")
-            r = max(self._risk(cand), 0.01)
+            r = max(self.risk_of_oom(cand), 0.01)
             if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
                 # the probe worth most: expected gain per risk of running out of memory
                 worth = (1 - r) * (pred[j] / target - 1) / r

@@ -68,7 +68,7 @@ NEIGHBOUR_EXTRA_WORK = 0.1
 class StagedBlackboxStrategy(Strategy):
     def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
                  patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
-                 min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1):
+                 min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1, probe_risk: float = 0.95):
         if int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         if int(top_layouts) < 1:
@@ -76,6 +76,9 @@ class StagedBlackboxStrategy(Strategy):
         if int(memory_probes) < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1 or not 0 <= min_gain < 1:
             raise ValueError(f"memory_probes={memory_probes} (>= 0), probe_reach={probe_reach} (0..0.5), "
                              f"probe_gain={probe_gain} and min_gain={min_gain} (0..1) are out of range")
+        if not 0 < probe_risk <= 1:
+            raise ValueError(f"probe_risk={probe_risk} must be in (0, 1] (0.95: no probe the learned memory "
+                             f"model gives more than a 95 % risk of running out of memory)")
         self.stage1_trials = int(stage1_trials)
         self.top_layouts = int(top_layouts)
         self.seed = seed
@@ -89,6 +92,7 @@ class StagedBlackboxStrategy(Strategy):
         self.min_gain = float(min_gain)  # a promotion must plausibly beat the best by this much
         self.layout_steps = int(layout_steps)  # unmeasured layouts next to the best tried in stage 2
         self.mbs_reach = float(mbs_reach)  # layouts this close to the best get their next MBS measured
+        self.probe_risk = float(probe_risk)  # ... and not when the learned memory model all but rules it out
         self._rng = random.Random(seed)
         self._stage1_done = False
         self._stage2_asked = 0
@@ -185,12 +189,14 @@ class StagedBlackboxStrategy(Strategy):
         return self._screen_memo[key]
 
     def _may_probe(self, c: dict) -> bool:
-        """Once per `memory_probes`, never after an OOM, and only just past the screen (`probe_reach`)."""
+        """Once per `memory_probes`, never after an OOM, only just past the screen (`probe_reach`) and
+        not when the learned memory model all but rules it out (`probe_risk`)."""
         if self.memory is None or sum(1 for o in self.history if o.probe) >= self.memory_probes or \
                 any(o.launched and o.kind == "oom" for o in self.history):
             return False
         gb = self.predict_gb(c)
-        return gb is not None and gb <= self.space.ctx.gpu_memory_gb * (1 + self.probe_reach)
+        return gb is not None and gb <= self.space.ctx.gpu_memory_gb * (1 + self.probe_reach) and \
+            self.risk_of_oom(c) <= self.probe_risk
 
     def _lighter(self, best: Outcome, tried: set[tuple]) -> tuple[dict | None, dict | None]:
         """The lightest untried setting of `best`'s layout at its MBS that the screen admits and is
@@ -232,7 +238,8 @@ class StagedBlackboxStrategy(Strategy):
             if probe:
                 return Proposal(dict(c), probe_memory=True, stage=SETTINGS_STAGE,
                                 why=f"stage 2, memory probe: {why}; only the memory estimate hides "
-                                f"{_rec(c)}, one launch tests it at its edge")
+                                f"{_rec(c)} ({100 * self.risk_of_oom(c):.0f} % risk of running out of "
+                                f"memory), one launch tests it at its edge")
             return Proposal(dict(c), stage=SETTINGS_STAGE, why=f"stage 2, promotion: {why}, so {_rec(c)} is measured")
         return None
 
