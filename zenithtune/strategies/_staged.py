@@ -17,9 +17,10 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    beat the best, so the safe-settings handicap never decides which layouts stage 2 tunes.
 2. Memory probe: when the lightest setting of such a layout is hidden only by the memory estimate
    (predicted just past the screen, at most `probe_reach` above capacity) and would plausibly beat
-   the best by `probe_gain`, it is launched anyway, at most `memory_probes` times per study and never
-   after any launch ran out of memory: the estimate must never miss an OOM, so at its edge it is a
-   few GB pessimistic, and the fastest layouts often live there.
+   the best by `probe_gain`, it is launched anyway, at most `memory_probes` times per study, never
+   after any launch ran out of memory and never when the learned memory model gives it more than
+   `probe_risk` of running out: the estimate must never miss an OOM, so at its edge it is a few GB
+   pessimistic, and the fastest layouts often live there.
 3. MBS steps: the best setting at the next smaller and larger MBS (same recompute, or where that is
    screened, the lightest recompute that fits at the larger MBS and costs little more work), then the
    next larger MBS of every other layout whose best is within `mbs_reach` of the best: a larger
