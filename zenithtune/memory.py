@@ -318,7 +318,9 @@ class MemoryModel:
       estimate's allocated part): a Bayesian linear fit with prior 1 +- COMPONENT_SD each, so one
       measurement moves mostly the component that dominates it, and runs that differ in what
       dominates (a larger MBS: activations; less TP: weights; more EP: expert activations) separate
-      them. A measured "max reserved" replaces the assumed fragmentation by the measured one. The
+      them. A measured "max reserved" replaces the assumed fragmentation by the one measured on runs
+      that recompute alike (full recompute fragments more), and proves that what lies outside the
+      allocator (CUDA context, NCCL buffers) is at most what the run left of the GPU. The
       fit's posterior also says how uncertain a prediction still is (`predict_sd`).
     * An OOM adds what it proves: the config needed more than the GPU has (and more than the OOM
       message's "in use" + "tried to allocate" where known), as a lower bound the fit must respect;
@@ -387,10 +389,16 @@ class MemoryModel:
         return np.array([est.weights_gb + est.grads_gb, est.optimizer_gb, dense_act, est.expert_activations_gb,
                          est.logits_gb])
 
+    @staticmethod
+    def _assumed_fixed(est: MemoryEstimate) -> float:
+        """The estimate's part outside PyTorch's allocator (CUDA context, NCCL): its overhead without
+        its fragmentation share."""
+        return est.overhead_gb - FRAGMENTATION * est.allocated_gb
+
     def _fixed(self, est: MemoryEstimate) -> float:
-        """The part outside PyTorch's allocator (CUDA context, NCCL): the estimate's overhead without
-        its fragmentation share, or less where a run that fit proves it (`fixed_cap_gb`)."""
-        assumed = est.overhead_gb - FRAGMENTATION * est.allocated_gb
+        """The part outside PyTorch's allocator as assumed, or less where a run that fit proves it
+        (`fixed_cap_gb`)."""
+        assumed = self._assumed_fixed(est)
         return assumed if self._fixed_cap is None else min(assumed, self._fixed_cap)
 
     @property
@@ -490,7 +498,7 @@ class MemoryModel:
                         f"out of memory")
         if need > self.limit_gb:
             moved = [f"{k} x{v:.2f}" for k, v in self.scales.items() if abs(v - 1) >= 0.005]
-            if self._fixed_cap is not None and self._fixed(est) < est.overhead_gb - FRAGMENTATION * est.allocated_gb:
+            if self._fixed(est) < self._assumed_fixed(est):
                 moved.append(f"non-PyTorch <= {self._fixed(est):.1f} GB")
             learned = f", learned {' '.join(moved)}" if moved and (self._measured or self._bounds) else ""
             return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.safety_margin:.2f} "
