@@ -403,3 +403,25 @@ def test_heuristic_spends_at_most_max_ooms_on_a_trainer_that_needs_far_more_memo
     assert 1 <= len(ooms) <= max_ooms
     assert any(o.ok for o in launched(loop))
 
+
+
+def test_staged_layout_steps_reach_two_values_away_once_no_near_layout_is_left():
+    # A MoE space's valid layouts are sparse (EP x ETP must divide what TP x CP x DP leave): from the
+    # best, "one value up or down" may leave nothing, and the move that matters is often two at once.
+    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
+    st = job.strategy
+    st.setup(job.space, job.memory, [])
+    layouts = [dict(lay) for lay in st._by_layout]
+    here = next(lay for lay in layouts if lay["tp"] == 1 and lay["ep"] == 1 and lay.get("pp") == 1
+                and lay.get("cp") == 1)
+    near = {st._adjacent(lay, here) for lay in layouts if lay != here}
+    assert near >= {1, 2}  # both kinds exist around tp1 ep1
+    jump = next(lay for lay in layouts if lay != here and st._adjacent(lay, here) == 2)
+    assert 1 <= sum(1 for d in here if jump.get(d) != here[d]) <= 2
+    st._stepped |= {lay for lay in st._by_layout if st._adjacent(dict(lay), here) == 1}  # none near is left
+    best = Outcome(candidate={**here, "mbs": 1, "recompute_granularity": "none"}, state="complete", value=100.0,
+                   launched=True, trial_number=0)
+    st._best[tuple(here.items())] = best
+    step = st._layout_step(best)
+    assert step is not None and "layout next to the best" in step.why
+    assert st._adjacent({k: step.fixed[k] for k in here}, here) == 2
