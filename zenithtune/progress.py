@@ -164,7 +164,7 @@ class Progress(Callbacks):
         self.pruned += 1
         self._update(pruned=self.pruned)
 
-    def interrupted(self, url: str, hint: str | None = None, reason: str = "interrupted") -> None:
+    def interrupted(self, url: str, hint: str | None, reason: str) -> None:
         """`reason` names the stop (signals.reason(): Ctrl-C, or the signal a scheduler sent)."""
         self.close()
         self.line(f"{reason}; the running trial's process group was stopped and the trial recorded as interrupted")

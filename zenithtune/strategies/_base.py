@@ -99,6 +99,10 @@ class Strategy(ABC):
     def tried(self, cand: Candidate) -> bool:
         return self.space.key(cand) in self.tried_keys()
 
+    def rate(self, value: float) -> float:
+        """A measured value as a rate, higher is better (s/it, as ms-swift reports it, is the inverse of one)."""
+        return value if self.direction == "maximize" else 1.0 / max(value, 1e-12)
+
     def risk_of_oom(self, cand: Candidate) -> float:
         """Probability that the candidate runs out of memory, from the study's learned memory model and
         its uncertainty (`MemoryModel.predict_sd`); 0 when a configuration needing at least as much of

@@ -179,8 +179,7 @@ class HeuristicStrategy(Strategy):
     # --- what the measurements say ------------------------------------------------------------------
     def _speed(self, o: Outcome) -> float:
         """Measured value as a rate (higher is better) comparable with the prior."""
-        v = float(o.value)  # type: ignore[arg-type]
-        return v if self.direction == "maximize" else 1.0 / max(v, 1e-12)
+        return self.rate(float(o.value))  # type: ignore[arg-type]
 
     def _shown(self, speed: float) -> str:
         """A rate as the evaluator reports it (s/it for ms-swift is the inverse of a rate)."""
@@ -259,6 +258,7 @@ class HeuristicStrategy(Strategy):
         # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
         hopeful = np.flatnonzero(ucb > target * (1 + self.min_gain))
         risk = np.array([self.risk_of_oom(self._pool[at[j]]) for j in hopeful])
+        risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
         order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
         for j in order:
             cand = self._pool[at[j]]
@@ -274,7 +274,7 @@ class HeuristicStrategy(Strategy):
                    f"{self._shown(target)}")
             if fits:
                 return Proposal(dict(cand), why=f"{why}; {mem}")
-            r = max(self.risk_of_oom(cand), 0.01)
+            r = max(risk_of[int(j)], 0.01)
             if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
                 # the probe worth most: expected gain per risk of running out of memory
                 worth = (1 - r) * (pred[j] / target - 1) / r

@@ -160,10 +160,6 @@ class StagedBlackboxStrategy(Strategy):
         return [lay for lay in self._by_layout if lay not in self._stage1_layouts]
 
     # --- stage 2: what measurements and the memory screen suggest before TPE -------------------------
-    def _speed(self, value: float) -> float:
-        """A measured value as a rate (higher is better): s/it for ms-swift is the inverse of one."""
-        return value if self.direction == "maximize" else 1.0 / max(value, 1e-12)
-
     def _work(self, c: dict) -> float:
         """A step's work relative to one without recompute (see FULL_RECOMPUTE_WORK)."""
         extra = VIT_CHECKPOINT_WORK if c.get("vit_gradient_checkpointing") else 0.0
@@ -225,7 +221,7 @@ class StagedBlackboxStrategy(Strategy):
             light, hidden = self._lighter(o, tried)
             for c, probe in ((light, False), (hidden, True)):
                 if c is not None:
-                    options.append((self._speed(float(o.value)) * self._work(o.candidate) / self._work(c),  # type: ignore[arg-type]
+                    options.append((self.rate(float(o.value)) * self._work(o.candidate) / self._work(c),  # type: ignore[arg-type]
                                     probe, i, c, o))
         for rate, probe, _, c, o in sorted(options, key=lambda t: (t[1], -t[0], t[2])):
             gain = rate / incumbent - 1
@@ -248,10 +244,10 @@ class StagedBlackboxStrategy(Strategy):
         """Step 3: the best setting at the next smaller and larger MBS, then each runner-up layout
         within `mbs_reach` of the best at its next larger MBS (a larger micro-batch often gains more on
         one layout than on another, so the order at MBS 1 is not the order at the optimum)."""
-        rate = self._speed(float(best.value))  # type: ignore[arg-type]
+        rate = self.rate(float(best.value))  # type: ignore[arg-type]
         ranked = sorted((o for o in self._best.values() if o is not best
-                         and self._speed(float(o.value)) >= rate * (1 - self.mbs_reach)),  # type: ignore[arg-type]
-                        key=lambda o: -self._speed(float(o.value)))  # type: ignore[arg-type]
+                         and self.rate(float(o.value)) >= rate * (1 - self.mbs_reach)),  # type: ignore[arg-type]
+                        key=lambda o: -self.rate(float(o.value)))  # type: ignore[arg-type]
         for o, down in ((best, True), *((o, False) for o in ranked)):
             step = self._mbs_step(o, tried, down, o is best)
             if step is not None:
@@ -288,23 +284,22 @@ class StagedBlackboxStrategy(Strategy):
         return None
 
     def _layout_step(self, best: Outcome) -> Proposal | None:
-        """Step 4: an unmeasured layout next to the best one (one dimension one value up or down, or
-        one up and another down), the one that measurements so far favour, at memory-safe settings."""
+        """Step 4: an unmeasured layout next to the best one (`_adjacent`: the nearest first), the one
+        that measurements so far favour, at memory-safe settings."""
         if self._layout_steps >= self.layout_steps:
             return None
         here = dict(_layout(self.space, best.candidate))
-        unmeasured = [lay for lay in self._by_layout if lay not in self._best and lay not in self._stage1_layouts
-                      and lay not in self._stepped]
+        tier = {lay: self._adjacent(dict(lay), here) for lay in self._by_layout
+                if lay not in self._best and lay not in self._stage1_layouts and lay not in self._stepped}
         # the nearest first: one value up or down; where none is left, one or two dimensions to any value
-        near = [lay for lay in unmeasured if self._adjacent(dict(lay), here) == 1] or \
-            [lay for lay in unmeasured if self._adjacent(dict(lay), here) == 2]
+        near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
         if not near:
             return None
         # What the runs so far say of each dimension's value, on their own: the mean log of each measured
         # layout's best (its recompute work taken out), per value, relative to the mean of all. A
         # neighbour scores the sum over the values it changes; no model of the trainer is involved.
         # (a score that is not a positive number, e.g. 0 from a broken log line, says nothing of speed)
-        rows = [(dict(lay), math.log(self._speed(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
+        rows = [(dict(lay), math.log(self.rate(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
                 for lay, o in self._best.items() if math.isfinite(float(o.value)) and float(o.value) > 0]  # type: ignore[arg-type]
         if not rows:
             return None
@@ -358,12 +353,12 @@ class StagedBlackboxStrategy(Strategy):
         best = self.best()
         if best is not None:
             tried = self.tried_keys()
-            rate = self._speed(float(best.value))  # type: ignore[arg-type]
+            rate = self.rate(float(best.value))  # type: ignore[arg-type]
             step = self._promotion(rate, tried) or self._neighbour(best, tried) or self._layout_step(best)
             if step is not None:
                 return step
         ranked = sorted(((lay, o) for lay, o in self._best.items() if self._untried(lay)),
-                        key=lambda kv: self._speed(float(kv[1].value)), reverse=True)  # type: ignore[arg-type]
+                        key=lambda kv: self.rate(float(kv[1].value)), reverse=True)  # type: ignore[arg-type]
         if not ranked:
             return None
         top = ranked[: self.top_layouts]
