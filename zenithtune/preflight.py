@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from zenithtune.command import facts
 from zenithtune.errors import UserError
 from zenithtune.inject import find_option, inject
 from zenithtune.modelinfo import _INT_OPTIONS, ModelInfo, from_argv, from_hf
+from zenithtune.validate import command_errors
 
 # The shape fields a model and a command must agree on (the others follow from them or the command).
 _COMPARED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "num_experts")
@@ -66,7 +68,13 @@ def _launcher_option(argv: list[str], name: str) -> str | None:
 
 
 def check_command(argv: list[str], *, n_gpus: int, evaluator_target: str) -> None:
-    """Refuse a command that cannot run with these settings; one line each."""
+    """Refuse a command that cannot run with these settings; one line each. A command Megatron refuses
+    whatever the candidate (`validate.command_errors`: ``--overlap-param-gather`` without the
+    distributed optimizer, ...) would fail every trial the same way: it is refused here."""
+    errors = command_errors(facts(argv))
+    if errors:
+        more = f" (and {len(errors) - 1} more problem(s) of the command)" if len(errors) > 1 else ""
+        raise UserError(f"the command cannot run under Megatron with any candidate: {errors[0]}{more}")
     nproc = _launcher_option(argv, "nproc-per-node")
     if nproc is not None:
         nodes_opt = _launcher_option(argv, "nnodes")
