@@ -21,7 +21,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
@@ -55,13 +55,15 @@ class Layout:
     local_impl: bool = False  # --transformer-impl local: torch LayerNorm, which refuses sequence parallelism
     tp_comm_overlap: bool = False  # --tp-comm-overlap
     distribute_saved_activations: bool = False  # --distribute-saved-activations
-    hierarchical_cp: tuple[int, ...] | None = None  # --hierarchical-context-parallel-sizes (product = cp)
-    hybrid_cp: bool = False  # --hybrid-context-parallel
-    recompute_modules: tuple[str, ...] | None = None  # --recompute-modules (None: core_attn)
-    moe_grouped_gemm: bool = False  # --moe-grouped-gemm
-    pipeline_layout: str | None = None  # --pipeline-model-parallel-layout
-    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
-    last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    # Current Megatron's layout flags (issue 23). Left out of repr: the simulator seeds its run-to-run
+    # jitter from repr(config), and a run without these flags keeps the numbers it always had.
+    hierarchical_cp: tuple[int, ...] | None = field(default=None, repr=False)  # --hierarchical-context-parallel-sizes
+    hybrid_cp: bool = field(default=False, repr=False)  # --hybrid-context-parallel
+    recompute_modules: tuple[str, ...] | None = field(default=None, repr=False)  # --recompute-modules (None: core_attn)
+    moe_grouped_gemm: bool = field(default=False, repr=False)  # --moe-grouped-gemm
+    pipeline_layout: str | None = field(default=None, repr=False)  # --pipeline-model-parallel-layout
+    first_stage_layers: int | None = field(default=None, repr=False)  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = field(default=None, repr=False)  # --decoder-last-pipeline-num-layers
 
     @property
     def expert_tp(self) -> int:

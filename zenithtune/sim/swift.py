@@ -78,7 +78,7 @@ def swift_parser() -> _Parser:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         _add(p, name, type=int, default=1)
-    _add(p, "expert_tensor_parallel_size", type=int, default=1)  # ms-swift's default (Megatron's is tp)
+    _add(p, "expert_tensor_parallel_size", type=int)  # None: ms-swift's 1 for a MoE model (Megatron's is tp)
     _add(p, "num_layers_per_virtual_pipeline_stage", type=int)
     _add(p, "virtual_pipeline_model_parallel_size", type=int)
     _add(p, "pipeline_model_parallel_layout")
@@ -162,7 +162,8 @@ def parse_swift(argv: list[str], env: dict[str, str]) -> SimConfig:
     n = world_size(args.sim_world_size, env)
     layout = Layout(
         n_gpus=n, gbs=args.global_batch_size, tp=tp, pp=args.pipeline_model_parallel_size,
-        cp=args.context_parallel_size, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+        cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size if args.expert_tensor_parallel_size is not None else (1 if info.is_moe else None),
         mbs=args.micro_batch_size, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
         vpp_size=args.virtual_pipeline_model_parallel_size,
         recompute_granularity=granularity, recompute_method=args.recompute_method,
