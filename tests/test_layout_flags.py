@@ -361,3 +361,13 @@ def test_a_trial_composes_the_same_argv_as_the_space():
         space = space_of(argv)
         assert composed == inject(argv, space.options(params))
         assert ("--decoder-first-pipeline-num-layers" in composed) == (pp > 1)
+
+
+def test_ms_swift_launcher_variables_are_checked_against_the_settings():
+    """`NPROC_PER_NODE=2 ... megatron sft` starts 2 processes: n_gpus=8 is refused in one line, as torchrun's
+    --nproc-per-node is; the simulator takes its world size from the same variable."""
+    argv = fixture("swift_qwen3_30b_a3b_lora.cmd")
+    with pytest.raises(UserError, match=r"n_gpus=8 but the command starts 2 processes \(NPROC_PER_NODE=2 x NNODES=1\)"):
+        check_command(argv, n_gpus=8, evaluator_target="zenithtune.evaluate.SwiftSpeed")
+    check_command(argv, n_gpus=2, evaluator_target="zenithtune.evaluate.SwiftSpeed")
+    check_command(SWIFT, n_gpus=N_GPUS, evaluator_target="zenithtune.evaluate.SwiftSpeed")

@@ -85,6 +85,7 @@ def swift_parser() -> _Parser:
     _add(p, "decoder_first_pipeline_num_layers", type=int)
     _add(p, "decoder_last_pipeline_num_layers", type=int)
     _add(p, "recompute_modules", nargs="*")
+    _add(p, "cp_comm_type", nargs="+")
     _add(p, "micro_batch_size", type=int, default=1)
     _add(p, "global_batch_size", type=int, default=16)
     _add(p, "max_length", type=int, default=2048)
