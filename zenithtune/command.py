@@ -351,7 +351,7 @@ def facts(argv: list[str]) -> CommandFacts:
         dataloader_type=(opts.get("dataloader-type") or "").split()[0] if opts.get("dataloader-type") else None,
         recompute_modules=tuple(modules.split()) if modules is not None else None,
         moe_grouped_gemm=grouped_gemm,
-        pipeline_layout="".join(layout.split()) if layout else None,
+        pipeline_layout=layout or None,
         first_stage_layers=_int(opts, "decoder-first-pipeline-num-layers"),
         last_stage_layers=_int(opts, "decoder-last-pipeline-num-layers"),
         sizes=sizes,

@@ -144,20 +144,20 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
     * ``--tp-comm-overlap`` is dropped where sequence parallelism is off (tp == 1, local impl);
     * ``--distribute-saved-activations`` is dropped where Megatron refuses it (tp == 1, not full
       recompute, sequence parallelism on);
-    * ms-swift: an option left out runs ms-swift's default, so where that differs from Megatron's
-      (`SWIFT_DEFAULTS`) the Megatron value is written out (``--recompute_granularity none``).
-
     * the pipeline split options (`SPLIT_OPTIONS`: ``--decoder-first/last-pipeline-num-layers``,
       ``--pipeline-model-parallel-layout``) are dropped at pp == 1, where there is no pipeline to split;
+    * ms-swift: an option left out runs ms-swift's default, so where that differs from Megatron's
+      (`SWIFT_DEFAULTS`) the Megatron value is written out (``--recompute_granularity none``; the expert
+      TP unless the candidate or the command gives it).
 
-    `moe` None: inferred from the candidate (``ep``/``etp`` apply only to MoE models) or from the command
-    stating an expert size (``--expert_model_parallel_size 2``)."""
-    stated = dict(flags.sizes)
-    if moe is None:
-        moe = "ep" in params or "etp" in params or "ep" in stated or "etp" in stated
+    `moe` None: inferred from the candidate (``ep``/``etp`` apply only to MoE models); for ms-swift's
+    expert TP, a command stating an expert size (``--expert_model_parallel_size 2``) is a MoE run too
+    (a trial knows no model; on a dense model the option is harmless)."""
+    stated = dict(flags.sizes)  # the command's own sizes: what runs where the preset does not search them
+    moe = ("ep" in params or "etp" in params) if moe is None else moe
     spec = preset.get("params") or {}
     mode = str(preset.get("sequence_parallel", "auto"))
-    tp = int(params.get("tp", stated.get("tp", 1)) or 1)  # a size the preset does not search: the command's
+    tp = int(params.get("tp", stated.get("tp", 1)) or 1)
     pp = int(params.get("pp", stated.get("pp", 1)) or 1)
     granularity = params.get("recompute_granularity")
     if granularity == "none":
@@ -181,7 +181,7 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
     if flags.trainer == "swift":
         if "recompute_granularity" in spec and granularity is None:
             explicit.append(("--recompute-granularity", "none"))
-        if moe and params.get("etp") is None and "etp" not in stated:
+        if (moe or "ep" in stated) and params.get("etp") is None and "etp" not in stated:
             explicit.append(("--expert-tensor-parallel-size", str(tp)))  # Megatron's default: etp = tp
     return Adjusted(sp, granularity, tuple(drop), tuple(explicit))
 
