@@ -317,6 +317,7 @@ def test_swift_expert_sizes_of_the_command_are_what_the_layout_holds():
         sim = parse_swift(trial_argv[4:], {"NPROC_PER_NODE": "16"}).layout
         ran.append((sim.ep, sim.expert_tp) == (lay.ep, lay.expert_tp) == (2, lay.tp))
     assert ran and all(ran)
+    assert "the command's own ep=2 run in every trial (the preset does not search them)" in space.notes()
 
 
 def test_swift_decoder_first_is_dropped_at_pp1():
