@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from zenithtune.command import CommandFacts, facts, options, options_start, trainer
+from zenithtune.command import CommandFacts, env_prefix, facts, options, options_start, trainer
 from zenithtune.inject import inject
 from zenithtune.modelinfo import from_argv
 
@@ -59,8 +59,36 @@ def test_options_last_wins_like_argparse() -> None:
      CommandFacts(layers_per_virtual_stage=2, overlap_p2p=False, recompute_activations=True, tp_comm_overlap=True,
                   distribute_saved_activations=True, account_for_embedding=True, account_for_loss=True)),
     ("megatron sft --sequence_parallel false --virtual_pipeline_model_parallel_size 2",
-     CommandFacts(trainer="swift", sequence_parallel=False, virtual_stages=2, distributed_optimizer=True)),
-    ("megatron sft --use_distributed_optimizer false", CommandFacts(trainer="swift")),
+     CommandFacts(trainer="swift", sequence_parallel=False, virtual_stages=2, distributed_optimizer=True,
+                  moe_grouped_gemm=True)),
+    ("megatron sft --use_distributed_optimizer false --moe_grouped_gemm false", CommandFacts(trainer="swift")),
+    # current Megatron's layout flags (issue 23), both spellings
+    ("pretrain_gpt.py --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 --hybrid-context-parallel "
+     "--calculate-per-token-loss --recompute-modules core_attn moe_act --moe-grouped-gemm "
+     "--pipeline-model-parallel-layout Et*3|t*3|t*3|t*3L --decoder-first-pipeline-num-layers 2 "
+     "--decoder-last-pipeline-num-layers=3 --overlap-param-gather --overlap-grad-reduce --dataloader-type cyclic",
+     CommandFacts(cp_comm_types=("a2a+p2p",), hierarchical_cp=(2, 2), hybrid_cp=True, per_token_loss=True,
+                  recompute_modules=("core_attn", "moe_act"), moe_grouped_gemm=True,
+                  pipeline_layout="Et*3|t*3|t*3|t*3L", first_stage_layers=2, last_stage_layers=3,
+                  overlap_param_gather=True, overlap_grad_reduce=True, dataloader_type="cyclic")),
+    # the command's own sizes: what runs where a preset does not search them
+    ("NPROC_PER_NODE=8 megatron sft --expert_model_parallel_size 2 --tensor_model_parallel_size=4 "
+     "--micro_batch_size 2 --decoder_first_pipeline_num_layers 6",
+     CommandFacts(trainer="swift", distributed_optimizer=True, moe_grouped_gemm=True, first_stage_layers=6,
+                  sizes=(("tp", 4), ("ep", 2), ("mbs", 2)))),
 ])
 def test_facts(argv: str, expected: CommandFacts) -> None:
     assert facts(cmd(argv)) == expected
+
+
+@pytest.mark.parametrize("argv, env, rest", [
+    ("NPROC_PER_NODE=2 CUDA_VISIBLE_DEVICES=0,1 megatron sft --model m",
+     {"NPROC_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "megatron sft --model m"),
+    ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun x.py --a=b", {"PYTORCH_CUDA_ALLOC_CONF":
+     "expandable_segments:True"}, "torchrun x.py --a=b"),
+    # `env` is a program of its own: it runs as written; an assignment after the program is an argument
+    ("env A=1 torchrun x.py", {}, "env A=1 torchrun x.py"),
+    ("torchrun x.py A=1", {}, "torchrun x.py A=1"),
+])
+def test_env_prefix(argv: str, env: dict, rest: str) -> None:
+    assert env_prefix(cmd(argv)) == (env, cmd(rest))

@@ -48,6 +48,23 @@ def argv_for(lay: Layout, model: ModelInfo) -> list[str]:
         out += ["--num-layers-per-virtual-pipeline-stage", lay.layers_per_virtual_stage]
     if not lay.overlap_p2p:
         out.append("--no-overlap-p2p-communication")
+    if lay.vpp_size:
+        out += ["--num-virtual-stages-per-pipeline-rank", lay.vpp_size]
+    out += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"][:lay.pipeline_extra_layers]
+    if lay.pipeline_layout:
+        out += ["--pipeline-model-parallel-layout", lay.pipeline_layout]
+    for opt, n in (("--decoder-first-pipeline-num-layers", lay.first_stage_layers),
+                   ("--decoder-last-pipeline-num-layers", lay.last_stage_layers)):
+        if n is not None:
+            out += [opt, n]
+    if lay.hierarchical_cp:
+        out += ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", *lay.hierarchical_cp]
+    if lay.hybrid_cp:
+        out += ["--hybrid-context-parallel", "--calculate-per-token-loss"]
+    if lay.recompute_modules:
+        out += ["--recompute-modules", *lay.recompute_modules]
+    if lay.moe_grouped_gemm:
+        out.append("--moe-grouped-gemm")
     for opt, value in (("--recompute-granularity", lay.recompute_granularity),
                        ("--recompute-method", lay.recompute_method),
                        ("--recompute-num-layers", lay.recompute_num_layers)):
@@ -117,6 +134,27 @@ CASES = (
          ("pipeline-model-parallel size (4)", "got 6"), "microbatch-groups"),
     Case("moe_sequence_parallel", Layout(n_gpus=8, gbs=64, tp=2, ep=4), MOE,
          ("64 experts", "tensor model parallel size 2")),
+    # current Megatron's layout flags (issue 23)
+    Case("pipeline_layout", Layout(n_gpus=8, gbs=64, pp=8, pipeline_layout="Et*7|t*8|t*8|t*9L"), DENSE,
+         ("(4 stages)", "pipeline model parallel size (8)", "pp in [2, 4]"), "stages"),
+    Case("pipeline_layout", Layout(n_gpus=8, gbs=64, pp=2, pipeline_layout="Et*3|t*3|t*3|t*3L"), DENSE,
+         ("decoder layers in --pipeline-model-parallel-layout (12)", "num_layers (32)"), "decoders"),
+    Case("virtual_pipeline", Layout(n_gpus=8, gbs=64, pipeline_layout="Et*8|t*8|t*8|t*8L"), DENSE,
+         ("greater than 1", "got 1", "4 stages"), "layout-pp1"),
+    Case("virtual_pipeline", Layout(n_gpus=8, gbs=64, pp=4, vpp_size=4), m(DENSE, num_layers=24),
+         ("num_layers_per_pipeline_rank (6)", "vp_size (4)"), "vpp-size"),
+    Case("uneven_pipeline", Layout(n_gpus=8, gbs=64, pp=2, first_stage_layers=6, last_stage_layers=6),
+         m(DENSE, num_layers=30), ("18 middle layers", "0 middle pipeline stages"), "mismatch"),
+    Case("uneven_pipeline", Layout(n_gpus=8, gbs=64, pp=4, first_stage_layers=2), m(DENSE, num_layers=24),
+         ("middle stage (22)", "parallel size (3)"), "middle"),
+    Case("uneven_pipeline", Layout(n_gpus=8, gbs=64, pp=4, vpp_size=2, first_stage_layers=3, last_stage_layers=3),
+         m(DENSE, num_layers=30), ("first stage (3)", "degree (2)"), "vpp"),
+    Case("hierarchical_cp", Layout(n_gpus=8, gbs=64, cp=2, hierarchical_cp=(2, 2)), DENSE,
+         ("context parallel size (2)", "sizes 2 2 (4)")),
+    Case("hybrid_cp", Layout(n_gpus=8, gbs=64, pp=2, hybrid_cp=True), DENSE, ("pipeline model parallel size 2",)),
+    Case("recompute_modules", Layout(n_gpus=8, gbs=64, ep=4, recompute_granularity="selective",
+                                     recompute_modules=("core_attn", "moe_act")), MOE,
+         ("moe_act", "moe_grouped_gemm", "core_attn moe_act")),
     Case("moe_etp_bias", Layout(n_gpus=8, gbs=64, ep=4, etp=2), m(MOE, disable_bias_linear=False),
          ("expert tensor parallel size (2)",)),
 )
@@ -222,9 +260,40 @@ def test_the_valid_layouts_next_to_the_cases_run():
             recompute_method="uniform", recompute_num_layers=1), DENSE),
     # VPP flags whose chunk is the whole stage do not interleave (Megatron sets the virtual size to None)
     (Layout(n_gpus=8, gbs=64, layers_per_virtual_stage=32), DENSE),
+    # uneven first/last 6 on 30 layers: 18 middle layers over 2 (pp=4) or 6 (pp=8) stages; pp_layers does not apply
+    (Layout(n_gpus=8, gbs=64, pp=4, first_stage_layers=6, last_stage_layers=6), m(DENSE, num_layers=30)),
+    (Layout(n_gpus=8, gbs=64, pp=8, first_stage_layers=6, last_stage_layers=6), m(DENSE, num_layers=30)),
+    (Layout(n_gpus=8, gbs=64, pp=2, first_stage_layers=2), m(DENSE, num_layers=24)),
+    (Layout(n_gpus=8, gbs=64, pp=4, vpp_size=2, first_stage_layers=4, last_stage_layers=6), m(DENSE, num_layers=30)),
+    # a 4-stage layout at pp=4 (no interleaving) and at pp=2 (2 virtual stages each)
+    (Layout(n_gpus=8, gbs=64, pp=4, pipeline_layout="Et*7|t*8|t*8|t*9L"), DENSE),
+    (Layout(n_gpus=8, gbs=64, pp=2, pipeline_layout="Et*7|t*8|t*8|t*9L"), DENSE),
+    # hierarchical CP at the product of its sizes; hybrid CP without a pipeline; moe_act with grouped GEMM,
+    # or under full recompute (the modules are read only under selective)
+    (Layout(n_gpus=8, gbs=64, cp=4, hierarchical_cp=(2, 2)), DENSE),
+    (Layout(n_gpus=8, gbs=64, cp=2, hybrid_cp=True), DENSE),
+    (Layout(n_gpus=8, gbs=64, ep=4, recompute_granularity="selective", recompute_modules=("moe_act",),
+            moe_grouped_gemm=True), MOE),
+    (Layout(n_gpus=8, gbs=64, ep=4, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+            recompute_modules=("moe_act",)), MOE),
 ])
 def test_megatron_accepts(lay, model):
     assert check(lay, model, kinds=("megatron",)) == []
+    # ... and so does the simulated pretrain_gpt.py, given the same flags
+    res = simulate(argv_for(lay, model), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert res.kind in ("ok", "oom"), res.errors or res.stderr[-300:]
+
+
+def test_a_pipeline_layout_with_more_stages_than_pp_interleaves():
+    lay = Layout(n_gpus=8, gbs=64, pp=2, pipeline_layout="Et*7|t*8|t*8|t*9L")
+    assert lay.virtual_stages(32) == 2
+    assert Layout(n_gpus=8, gbs=64, pp=4, pipeline_layout="Et*7|t*8|t*8|t*9L").virtual_stages(32) == 1
+    # interleaving runs micro-batches in groups of pp: 6 micro-batches do not fill groups of 4
+    eight = "Et*4|(t*4|)*6t*4L"
+    assert Layout(n_gpus=8, gbs=16, pp=4, pipeline_layout=eight).virtual_stages(32) == 2
+    assert check(Layout(n_gpus=8, gbs=16, pp=4, pipeline_layout=eight), DENSE, kinds=("megatron",)) == []
+    reasons = dict(check(Layout(n_gpus=8, gbs=12, pp=4, pipeline_layout=eight), DENSE, kinds=("megatron",)))
+    assert "groups of pipeline-model-parallel size (4)" in reasons["virtual_pipeline"]
 
 
 def test_recompute_chunk_is_a_switchable_policy():

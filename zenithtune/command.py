@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["Occurrence", "Trainer", "CommandFacts", "BOOL_WORDS", "parse_bool", "canonical", "options_start",
-           "option_region", "scan", "find_option", "options", "is_swift_command", "trainer", "facts"]
+           "option_region", "scan", "find_option", "options", "is_swift_command", "trainer", "facts",
+           "env_prefix", "SIZE_OPTIONS"]
 
 # Tokens after which the training options begin. A launcher never takes these as its own values.
 _SCRIPT_SUFFIXES = (".py", ".sh")
@@ -69,6 +70,22 @@ def _program_index(argv: list[str]) -> int:
     while i < len(argv) and (argv[i] == "env" or _ENV_ASSIGNMENT.match(argv[i])):
         i += 1
     return i
+
+
+def env_prefix(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading ``VAR=value`` tokens as an environment, and the argv that runs.
+
+    ms-swift's examples start ``NPROC_PER_NODE=8 CUDA_VISIBLE_DEVICES=0,1 megatron sft ...``; pasted
+    after ``--`` they arrive as plain tokens (no shell reads them), so zenithtune does what the shell
+    would have done: the assignments go into the command's environment, the rest is executed. A
+    command starting with ``env`` runs ``env`` itself, which does the same."""
+    i = 0
+    assigned: dict[str, str] = {}
+    while i < len(argv) and _ENV_ASSIGNMENT.match(argv[i]):
+        name, value = argv[i].split("=", 1)
+        assigned[name] = value
+        i += 1
+    return assigned, list(argv[i:])
 
 
 def _trainer_index(argv: list[str]) -> tuple[int, int] | None:
@@ -248,6 +265,21 @@ class CommandFacts:
     account_for_embedding: bool = False  # --account-for-embedding-in-pipeline-split
     account_for_loss: bool = False  # --account-for-loss-in-pipeline-split
     distributed_optimizer: bool = False  # --use-distributed-optimizer (ms-swift: on unless `false`)
+    # --- layout flags of current Megatron (issue 23): each is honoured per candidate (options.adjust,
+    # validate's rules) or refused before launch when no candidate can run it (preflight) -----------
+    overlap_param_gather: bool = False  # --overlap-param-gather: needs the distributed optimizer
+    overlap_grad_reduce: bool = False  # --overlap-grad-reduce: --overlap-param-gather needs it too
+    cp_comm_types: tuple[str, ...] = ("p2p",)  # --cp-comm-type (one per layer, or one for all)
+    hierarchical_cp: tuple[int, ...] | None = None  # --hierarchical-context-parallel-sizes: their product is cp
+    hybrid_cp: bool = False  # --hybrid-context-parallel: refuses pp > 1
+    per_token_loss: bool = False  # --calculate-per-token-loss: --hybrid-context-parallel needs it
+    dataloader_type: str | None = None  # --dataloader-type (None: Megatron's "single")
+    recompute_modules: tuple[str, ...] | None = None  # --recompute-modules (None: Megatron's core_attn)
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm (ms-swift: on unless `false`)
+    pipeline_layout: str | None = None  # --pipeline-model-parallel-layout, e.g. "Et*3|t*3|t*3|t*3L"
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    sizes: tuple[tuple[str, int], ...] = ()  # the command's own tp/pp/cp/ep/etp/mbs: what runs where a preset does not search them
 
     @property
     def swift(self) -> bool:
@@ -265,6 +297,22 @@ class CommandFacts:
         return int(self.account_for_embedding) + int(self.account_for_loss)
 
 
+# The command's own layout sizes (`CommandFacts.sizes`), by the preset's parameter names.
+SIZE_OPTIONS = {"tp": "tensor-model-parallel-size", "pp": "pipeline-model-parallel-size",
+                "cp": "context-parallel-size", "ep": "expert-model-parallel-size",
+                "etp": "expert-tensor-parallel-size", "mbs": "micro-batch-size"}
+
+
+def _ints(opts: dict[str, str | None], name: str) -> tuple[int, ...] | None:
+    """An ``nargs='+'`` integer option (``--hierarchical-context-parallel-sizes 2 2``); None when absent
+    or not all integers (argparse would refuse it: not ours to judge)."""
+    value = opts.get(name)
+    try:
+        return tuple(int(v) for v in value.split()) if value else None
+    except ValueError:
+        return None
+
+
 def facts(argv: list[str]) -> CommandFacts:
     """Read `CommandFacts` from the wrapped command (both spellings, bare or ``true/false`` flags)."""
     opts = options(argv)
@@ -274,9 +322,15 @@ def facts(argv: list[str]) -> CommandFacts:
         sp = _flag(opts, "sequence-parallel")
     impl = opts.get("transformer-impl")
     dist_opt = _flag(opts, "use-distributed-optimizer")
+    grouped_gemm = _flag(opts, "moe-grouped-gemm")
     if kind != "megatron":
-        # ms-swift's MegatronArguments default is use_distributed_optimizer=True
+        # ms-swift's MegatronArguments defaults: use_distributed_optimizer=True, moe_grouped_gemm=True
         dist_opt = dist_opt if "use-distributed-optimizer" in opts else True
+        grouped_gemm = grouped_gemm if "moe-grouped-gemm" in opts else True
+    modules = opts.get("recompute-modules")
+    layout = opts.get("pipeline-model-parallel-layout")
+    sizes = tuple((name, value) for name, option in SIZE_OPTIONS.items()
+                  if (value := _int(opts, option)) is not None)
     return CommandFacts(
         trainer=kind, transformer_impl=impl.split()[0] if impl else None, sequence_parallel=sp,
         layers_per_virtual_stage=_int(opts, "num-layers-per-virtual-pipeline-stage"),
@@ -288,6 +342,19 @@ def facts(argv: list[str]) -> CommandFacts:
         account_for_embedding=_flag(opts, "account-for-embedding-in-pipeline-split"),
         account_for_loss=_flag(opts, "account-for-loss-in-pipeline-split"),
         distributed_optimizer=dist_opt,
+        overlap_param_gather=_flag(opts, "overlap-param-gather"),
+        overlap_grad_reduce=_flag(opts, "overlap-grad-reduce"),
+        cp_comm_types=tuple((opts.get("cp-comm-type") or "p2p").split()) or ("p2p",),
+        hierarchical_cp=_ints(opts, "hierarchical-context-parallel-sizes"),
+        hybrid_cp=_flag(opts, "hybrid-context-parallel"),
+        per_token_loss=_flag(opts, "calculate-per-token-loss"),
+        dataloader_type=(opts.get("dataloader-type") or "").split()[0] if opts.get("dataloader-type") else None,
+        recompute_modules=tuple(modules.split()) if modules is not None else None,
+        moe_grouped_gemm=grouped_gemm,
+        pipeline_layout=layout or None,
+        first_stage_layers=_int(opts, "decoder-first-pipeline-num-layers"),
+        last_stage_layers=_int(opts, "decoder-last-pipeline-num-layers"),
+        sizes=sizes,
     )
 
 

@@ -8,14 +8,15 @@ check what will really run. See docs/fidelity.md.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from zenithtune.command import CommandFacts, facts
 
 __all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
-           "sequence_parallel_for", "sequence_parallel_note"]
+           "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes"]
 
 SequenceParallelMode = Literal["auto", "command"]
 
@@ -25,6 +26,58 @@ SequenceParallelMode = Literal["auto", "command"]
 SWIFT_DEFAULTS = {"--recompute-granularity": "selective", "--expert-tensor-parallel-size": "1"}
 VPP_OPTIONS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                "--virtual-pipeline-model-parallel-size")
+# The pipeline's own split: meaningless without a pipeline, and refused or mis-built by Megatron at pp=1
+# (first only: "Mismatch"; first and last: only the first stage's layers are built), refused by ms-swift
+# ("pipeline_model_parallel_size must be greater than 1 if you want to set decoder_first_..."), and a
+# layout listing several stages interleaves them on the one rank, which Megatron refuses.
+SPLIT_OPTIONS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                 "--pipeline-model-parallel-layout")
+
+
+def command_sizes(flags: CommandFacts, searched: Collection[str]) -> dict[str, int]:
+    """The command's own layout sizes for the parameters a preset does not search: those are what
+    runs (`options_for` leaves an option the preset does not name untouched), so the layout the rules
+    and the memory estimate judge must hold them (ms-swift `--expert_model_parallel_size 2` in a
+    command whose preset searches no expert size runs EP=2)."""
+    return {name: value for name, value in flags.sizes if name not in searched}
+
+
+def layout_fields(flags: CommandFacts, pp: int | None = None) -> dict[str, Any]:
+    """The `Layout` fields the user's layout flags set. With `pp` (a candidate's pipeline size), as
+    `adjust` runs them: the split options are dropped at pp=1 (`SPLIT_OPTIONS`); without it (the
+    simulator, which plays Megatron on the command as written) as written."""
+    piped = pp is None or pp > 1
+    return {"hierarchical_cp": flags.hierarchical_cp, "hybrid_cp": flags.hybrid_cp,
+            "recompute_modules": flags.recompute_modules, "moe_grouped_gemm": flags.moe_grouped_gemm,
+            "pipeline_layout": flags.pipeline_layout if piped else None,
+            "first_stage_layers": flags.first_stage_layers if piped else None,
+            "last_stage_layers": flags.last_stage_layers if piped else None}
+
+
+def layout_notes(flags: CommandFacts, searched: Collection[str]) -> list[str]:
+    """One line per layout flag of the command in effect, for the space report (what each does to the
+    candidates: constrained by a Megatron rule, or dropped where it cannot run)."""
+    out: list[str] = []
+    split = [o for o, on in zip(SPLIT_OPTIONS, (flags.first_stage_layers is not None,
+                                                flags.last_stage_layers is not None, bool(flags.pipeline_layout)))
+             if on]
+    if split:
+        out.append(f"{' and '.join(split)} dropped at pp=1 (no pipeline to split; Megatron and ms-swift refuse "
+                   f"or mis-build them there); kept at pp > 1, where candidates Megatron refuses are pruned "
+                   f"(rules uneven_pipeline, pipeline_layout, virtual_pipeline)")
+    if flags.hierarchical_cp:
+        out.append("--hierarchical-context-parallel-sizes " + " ".join(map(str, flags.hierarchical_cp))
+                   + f": only cp={math.prod(flags.hierarchical_cp)} is searched (rule hierarchical_cp)")
+    if flags.hybrid_cp:
+        out.append("--hybrid-context-parallel: only pp=1 is searched (rule hybrid_cp)")
+    if flags.recompute_modules and "moe_act" in flags.recompute_modules and not flags.moe_grouped_gemm:
+        out.append("--recompute-modules moe_act without --moe-grouped-gemm: selective recompute candidates are "
+                   "pruned (rule recompute_modules); add --moe-grouped-gemm to search them")
+    searched_set = set(searched)
+    kept = [f"{name}={value}" for name, value in flags.sizes if name not in searched_set]
+    if kept:
+        out.append(f"the command's own {', '.join(kept)} run in every trial (the preset does not search them)")
+    return out
 
 
 def sequence_parallel_for(tp: int, moe: bool, flags: CommandFacts,
@@ -91,15 +144,21 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
     * ``--tp-comm-overlap`` is dropped where sequence parallelism is off (tp == 1, local impl);
     * ``--distribute-saved-activations`` is dropped where Megatron refuses it (tp == 1, not full
       recompute, sequence parallelism on);
+    * the pipeline split options (`SPLIT_OPTIONS`: ``--decoder-first/last-pipeline-num-layers``,
+      ``--pipeline-model-parallel-layout``) are dropped at pp == 1, where there is no pipeline to split;
     * ms-swift: an option left out runs ms-swift's default, so where that differs from Megatron's
-      (`SWIFT_DEFAULTS`) the Megatron value is written out (``--recompute_granularity none``).
+      (`SWIFT_DEFAULTS`) the Megatron value is written out (``--recompute_granularity none``; the expert
+      TP unless the candidate or the command gives it).
 
-    `moe` None: inferred from the candidate (``ep``/``etp`` apply only to MoE models)."""
+    `moe` None: inferred from the candidate (``ep``/``etp`` apply only to MoE models); for ms-swift's
+    expert TP, a command stating an expert size (``--expert_model_parallel_size 2``) is a MoE run too
+    (a trial knows no model; on a dense model the option is harmless)."""
+    stated = dict(flags.sizes)  # the command's own sizes: what runs where the preset does not search them
     moe = ("ep" in params or "etp" in params) if moe is None else moe
     spec = preset.get("params") or {}
     mode = str(preset.get("sequence_parallel", "auto"))
-    tp = int(params.get("tp", 1) or 1)
-    pp = int(params.get("pp", 1) or 1)
+    tp = int(params.get("tp", stated.get("tp", 1)) or 1)
+    pp = int(params.get("pp", stated.get("pp", 1)) or 1)
     granularity = params.get("recompute_granularity")
     if granularity == "none":
         granularity = None
@@ -111,6 +170,9 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
         drop.append("--recompute-activations")
     if pp <= 1 and (flags.layers_per_virtual_stage or flags.virtual_stages):
         drop += VPP_OPTIONS
+    if pp <= 1 and (flags.first_stage_layers is not None or flags.last_stage_layers is not None
+                    or flags.pipeline_layout):
+        drop += SPLIT_OPTIONS
     if flags.tp_comm_overlap and not sp:
         drop.append("--tp-comm-overlap")
     if flags.distribute_saved_activations and not (tp > 1 and granularity == "full" and not sp):
@@ -119,7 +181,7 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
     if flags.trainer == "swift":
         if "recompute_granularity" in spec and granularity is None:
             explicit.append(("--recompute-granularity", "none"))
-        if moe and params.get("etp") is None:
+        if (moe or "ep" in stated) and params.get("etp") is None and "etp" not in stated:
             explicit.append(("--expert-tensor-parallel-size", str(tp)))  # Megatron's default: etp = tp
     return Adjusted(sp, granularity, tuple(drop), tuple(explicit))
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from zenithtune.command import env_prefix, facts, trainer
 from zenithtune.errors import UserError
 from zenithtune.inject import find_option, inject
 from zenithtune.modelinfo import _INT_OPTIONS, ModelInfo, from_argv, from_hf
+from zenithtune.validate import command_errors
 
 # The shape fields a model and a command must agree on (the others follow from them or the command).
 _COMPARED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "num_experts")
@@ -66,17 +68,30 @@ def _launcher_option(argv: list[str], name: str) -> str | None:
 
 
 def check_command(argv: list[str], *, n_gpus: int, evaluator_target: str) -> None:
-    """Refuse a command that cannot run with these settings; one line each."""
-    nproc = _launcher_option(argv, "nproc-per-node")
+    """Refuse a command that cannot run with these settings; one line each. A command Megatron refuses
+    whatever the candidate (`validate.command_errors`: ``--overlap-param-gather`` without the
+    distributed optimizer, ...) would fail every trial the same way: it is refused here."""
+    errors = command_errors(facts(argv))
+    if errors:
+        more = f" (and {len(errors) - 1} more problem(s) of the command)" if len(errors) > 1 else ""
+        raise UserError(f"the command cannot run under Megatron with any candidate: {errors[0]}{more}")
+    assigned, program = env_prefix(argv)  # `NPROC_PER_NODE=8 megatron sft ...`: the command's environment
+    nproc = _launcher_option(program, "nproc-per-node")
     if nproc is not None:
-        nodes_opt = _launcher_option(argv, "nnodes")
+        nodes_opt = _launcher_option(program, "nnodes")
         per, nodes = _int(nproc), _int(nodes_opt) if nodes_opt is not None else 1
         if per is not None and nodes is not None and per * nodes != n_gpus:
             raise UserError(f"n_gpus={n_gpus} but the command starts {per * nodes} processes (torchrun "
                             f"--nproc-per-node {per} x --nnodes {nodes}): make them agree, e.g. n_gpus={per * nodes}")
-    if is_simulator(argv):
-        world = find_option(argv, "--sim-world-size")
-        if world is None and "WORLD_SIZE" not in os.environ:
+    if "NPROC_PER_NODE" in assigned and trainer(program) == "swift":
+        # ms-swift's `megatron sft` launches NPROC_PER_NODE x NNODES processes
+        per, nodes = _int(assigned["NPROC_PER_NODE"]), _int(assigned.get("NNODES", "1"))
+        if per is not None and nodes is not None and per * nodes != n_gpus:
+            raise UserError(f"n_gpus={n_gpus} but the command starts {per * nodes} processes (NPROC_PER_NODE={per} "
+                            f"x NNODES={nodes}): make them agree, e.g. n_gpus={per * nodes}")
+    if is_simulator(program):
+        world = find_option(program, "--sim-world-size")
+        if world is None and not {"WORLD_SIZE", "NPROC_PER_NODE"} & (set(os.environ) | set(assigned)):
             raise UserError(f"the simulator command has no --sim-world-size: add --sim-world-size {n_gpus} "
                             f"(it would otherwise play 1 GPU and every trial would fail)")
         if world not in (None, True) and _int(world) != n_gpus:

@@ -41,6 +41,7 @@ from enum import Enum
 from pathlib import Path
 from typing import IO
 
+from zenithtune.command import env_prefix
 from zenithtune.processes import MARKER_ENV, TrialProcess, kill_tree, members
 
 __all__ = ["FailureKind", "RunResult", "run", "classify", "command_problem", "OUTPUT_CAP", "LINE_MAX",
@@ -361,7 +362,10 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
                                    or not log_max_mb > 0):
         raise ValueError(f"log_max_mb={log_max_mb!r} must be a positive number of MB, or null for no cap")
     marker = trial_id or uuid.uuid4().hex
-    extra = dict(env or {})
+    # `NPROC_PER_NODE=8 megatron sft ...`: the leading assignments are the command's environment, as a
+    # shell would make them (they win over zenithtune's own additions: the command is the user's)
+    assigned, program = env_prefix(argv)
+    extra = {**(env or {}), **assigned}
     if "PYTHONUNBUFFERED" not in os.environ and "PYTHONUNBUFFERED" not in extra:
         extra["PYTHONUNBUFFERED"] = "1"
     added = _added_env(extra)
@@ -391,11 +395,13 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
 
     timed_out = interrupted = False
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        if not program:
+            raise FileNotFoundError("no program to run")
+        proc = subprocess.Popen(program, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env={**os.environ, **extra}, cwd=cwd,
                                 start_new_session=True)
     except OSError as exc:
-        sink.line(f"zenithtune: cannot start {argv[0] if argv else '(empty command)'}: {exc}\n".encode())
+        sink.line(f"zenithtune: cannot start {program[0] if program else '(empty command)'}: {exc}\n".encode())
         sink.note("# result: never started")
         if log:
             log.close()
@@ -562,8 +568,10 @@ def command_problem(argv: list[str], *, cwd: str | os.PathLike[str] | None = Non
                     env: dict[str, str] | None = None) -> str | None:
     """Why ``argv`` cannot start at all (checked once, before the first trial), with the fix; None if
     it can. Without this every trial of a study would fail the same way."""
+    assigned, argv = env_prefix(argv)
     if not argv:
-        return ("empty command: put the training command after a lone ' -- ', e.g. "
+        return (("the command only sets variables (" + " ".join(f"{k}=..." for k in assigned) + "): " if assigned
+                 else "empty command: ") + "put the training command after a lone ' -- ', e.g. "
                 "'-- torchrun --nproc-per-node 8 pretrain_gpt.py ...'")
     prog = argv[0]
     base = Path(cwd) if cwd is not None else Path.cwd()

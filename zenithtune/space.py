@@ -15,7 +15,7 @@ from typing import Any, Literal
 from zenithtune.command import CommandFacts
 from zenithtune.errors import UserError
 from zenithtune.modelinfo import ModelInfo
-from zenithtune.options import Adjusted, adjust, options_for, sequence_parallel_note
+from zenithtune.options import Adjusted, adjust, command_sizes, layout_fields, layout_notes, options_for, sequence_parallel_note
 from zenithtune.validate import POLICIES, RULE_KINDS, RULES, Layout, Rule, check, divisors
 
 Candidate = dict[str, Any]
@@ -38,6 +38,8 @@ RULE_NEEDS: dict[str, frozenset[str]] = {
     "moe_etp_bias": frozenset(("tp", "etp")), "etp_le_tp": frozenset(("tp", "etp")),
     "etp_dense": frozenset(("tp", "etp")), "cp_short_seq": frozenset(("cp",)),
     "recompute_chunk": frozenset(("pp", "rest")), "vlm_full_uniform_only": frozenset(("rest",)),
+    "pipeline_layout": frozenset(("pp",)), "uneven_pipeline": frozenset(("pp",)),
+    "hierarchical_cp": frozenset(("cp",)), "hybrid_cp": frozenset(("pp",)), "recompute_modules": frozenset(("rest",)),
 }
 MAX_GPUS = 1 << 20  # the largest world size a study plans for (today's largest runs use ~100k GPUs)
 # Defaults for parameters a preset does not search (Megatron's own defaults).
@@ -211,7 +213,7 @@ class Space:
         return found
 
     def _layout(self, norm: Candidate) -> Layout:
-        c = {**DEFAULTS, **norm}
+        c = {**DEFAULTS, **command_sizes(self.ctx.flags, self.params), **norm}
         moe = self.ctx.model.is_moe
         flags = self.ctx.flags
         adj = self._adjusted(norm)
@@ -234,6 +236,7 @@ class Space:
             tp_comm_overlap=flags.tp_comm_overlap and "--tp-comm-overlap" not in adj.drop,
             distribute_saved_activations=(flags.distribute_saved_activations
                                           and "--distribute-saved-activations" not in adj.drop),
+            **layout_fields(flags, pp),
         )
 
     def options(self, cand: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,6 +267,7 @@ class Space:
         if flags.pipeline_extra_layers:
             out.append(f"the pipeline split counts {flags.pipeline_extra_layers} extra layer(s) "
                        f"(--account-for-*-in-pipeline-split)")
+        out += layout_notes(flags, self.params)
         if flags.trainer == "swift" and "recompute_granularity" in self.params:
             out.append("ms-swift: 'none' is injected as --recompute_granularity none (ms-swift's default is selective)")
         return out

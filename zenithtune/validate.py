@@ -17,11 +17,15 @@ Rules whose inputs are unknown (a None field in ModelInfo) do not fire.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
 
+from zenithtune.command import CommandFacts
 from zenithtune.modelinfo import ModelInfo
 
 Granularity = Literal["full", "selective"]
@@ -51,6 +55,15 @@ class Layout:
     local_impl: bool = False  # --transformer-impl local: torch LayerNorm, which refuses sequence parallelism
     tp_comm_overlap: bool = False  # --tp-comm-overlap
     distribute_saved_activations: bool = False  # --distribute-saved-activations
+    # Current Megatron's layout flags (issue 23). Left out of repr: the simulator seeds its run-to-run
+    # jitter from repr(config), and a run without these flags keeps the numbers it always had.
+    hierarchical_cp: tuple[int, ...] | None = field(default=None, repr=False)  # --hierarchical-context-parallel-sizes
+    hybrid_cp: bool = field(default=False, repr=False)  # --hybrid-context-parallel
+    recompute_modules: tuple[str, ...] | None = field(default=None, repr=False)  # --recompute-modules (None: core_attn)
+    moe_grouped_gemm: bool = field(default=False, repr=False)  # --moe-grouped-gemm
+    pipeline_layout: str | None = field(default=None, repr=False)  # --pipeline-model-parallel-layout
+    first_stage_layers: int | None = field(default=None, repr=False)  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = field(default=None, repr=False)  # --decoder-last-pipeline-num-layers
 
     @property
     def expert_tp(self) -> int:
@@ -88,16 +101,59 @@ class Layout:
             return None
         return (num_layers + self.pipeline_extra_layers) // self.pp
 
+    @property
+    def uneven(self) -> bool:
+        """--decoder-first/last-pipeline-num-layers: the split is not L / pp."""
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
     def virtual_stages(self, num_layers: int | None) -> int:
-        """Model chunks per pipeline stage (1 without interleaving)."""
+        """Model chunks per pipeline stage (1 without interleaving). A pipeline layout listing more
+        stages than pp interleaves: 4 stages at pp=2 run 2 chunks per rank (arguments.py validate_args)."""
         if self.pp <= 1:
             return 1
+        if self.pipeline_layout:
+            stages = pipeline_stages(self.pipeline_layout)
+            return len(stages) // self.pp if stages and len(stages) % self.pp == 0 else 1
         if self.vpp_size:
             return self.vpp_size
         per_stage = self.layers_per_stage(num_layers)
         if not self.layers_per_virtual_stage or not per_stage:
             return 1
         return max(1, per_stage // self.layers_per_virtual_stage)
+
+
+_UNROLL = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+_LAYER_CHARS = frozenset("ELtm")  # embedding, loss, transformer (decoder) layer, MTP layer
+
+
+@lru_cache(maxsize=64)
+def pipeline_stages(layout: str) -> tuple[str, ...] | None:
+    """The stages of a ``--pipeline-model-parallel-layout`` string, one string of layer letters each
+    (``"Et*3|(tt|)*2L"`` -> ``("Ettt", "tt", "ttL")``), parsed as megatron/core/transformer/
+    pipeline_parallel_layer_layout.py PipelineParallelLayerLayout.parse_str_to_list does (commas are
+    cosmetic; ``(...)*n`` and ``x*n`` repeat). None when a character is not a layer letter."""
+    text = layout.replace(",", "")
+    for pattern in _UNROLL:
+        text = pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    stages = tuple(text.split("|"))
+    return None if any(ch not in _LAYER_CHARS for st in stages for ch in st) else stages
+
+
+def layout_problem(layout: str) -> str | None:
+    """What PipelineParallelLayerLayout refuses in a layout string whatever the candidate (its
+    parse_str_to_list and validate_layer_layout): an unknown layer letter, the embedding not first or
+    the loss not last, either not exactly once."""
+    stages = pipeline_stages(layout)
+    if stages is None:
+        bad = sorted({ch for ch in layout.replace(",", "") if ch not in _LAYER_CHARS | set("|()*0123456789")})
+        return (f"--pipeline-model-parallel-layout {layout!r}: invalid layer character(s) {bad}; known layer "
+                f"characters: E (embedding), L (loss), t (transformer layer), m (MTP layer)")
+    flat = "".join(stages)
+    if not flat.startswith("E") or flat.count("E") != 1:
+        return f"--pipeline-model-parallel-layout {layout!r}: the embedding (E) must be the first layer, exactly once"
+    if not flat.endswith("L") or flat.count("L") != 1:
+        return f"--pipeline-model-parallel-layout {layout!r}: the loss (L) must be the last layer, exactly once"
+    return None
 
 
 RuleKind = Literal["megatron", "policy"]
@@ -220,9 +276,11 @@ def gbs_divisible(lay: Layout, model: ModelInfo) -> str | None:
 def pp_divides_layers(lay: Layout, model: ModelInfo) -> str | None:
     """megatron/training/arguments.py validate_args: "Number of layers should be divisible by the
     pipeline-model-parallel size", where --account-for-embedding/loss-in-pipeline-split each add one
-    layer to the count (30 layers with both split evenly over pp=4)."""
+    layer to the count (30 layers with both split evenly over pp=4). Megatron makes this check only
+    for an even split: not with --decoder-first/last-pipeline-num-layers (`uneven_pipeline` checks
+    those) nor with --pipeline-model-parallel-layout (`pipeline_layout`)."""
     L = model.num_layers
-    if not L or lay.pp <= 1:
+    if not L or lay.pp <= 1 or lay.uneven or lay.pipeline_layout:
         return None
     total = L + lay.pipeline_extra_layers
     if total % lay.pp:
@@ -241,31 +299,148 @@ def virtual_pipeline(lay: Layout, model: ModelInfo) -> str | None:
     "pipeline-model-parallel size should be greater than 1" (> 2 without p2p overlap).
     megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving: the
     micro-batches come in groups of pp (microbatch_group_size_per_vp_stage defaults to pp), so fewer
-    than pp micro-batches, or a remainder 0 < m % pp < pp, raise."""
+    than pp micro-batches, or a remainder 0 < m % pp < pp, raise.
+
+    The virtual size comes from one of three spellings: --num-layers-per-virtual-pipeline-stage,
+    --num-virtual-stages-per-pipeline-rank, or a --pipeline-model-parallel-layout listing more stages
+    than pp (validate_args: `virtual_pipeline_model_parallel_size = num_stages // pp`; 4 stages at
+    pp=1 interleave 4 chunks and are refused). With --num-virtual-stages-per-pipeline-rank on an even
+    split, megatron/core/transformer/transformer_block.py get_num_layers_to_build asserts when the
+    model is built: "num_layers_per_pipeline_rank ... should be divisible by vp_size"."""
     v = lay.layers_per_virtual_stage
-    if not v and not lay.vpp_size:
+    if not v and not lay.vpp_size and not lay.pipeline_layout:
         return None
     L = model.num_layers
-    if v and L and lay.pp > 0 and (L + lay.pipeline_extra_layers) % lay.pp == 0:
-        per_stage = (L + lay.pipeline_extra_layers) // lay.pp
+    total = (L or 0) + lay.pipeline_extra_layers
+    even = not lay.uneven and not lay.pipeline_layout
+    if v and L and even and lay.pp > 0 and total % lay.pp == 0:
+        per_stage = total // lay.pp
         if per_stage % v:
             return (f"number of layers per pipeline stage ({per_stage}) must be divisible by number of "
                     f"layers per virtual pipeline stage ({v})")
-    chunks = lay.vpp_size or (((L + lay.pipeline_extra_layers) // max(lay.pp, 1)) // v if v and L else 2)
+    stages = pipeline_stages(lay.pipeline_layout) if lay.pipeline_layout else None
+    if lay.pipeline_layout:
+        if not stages or len(stages) % max(lay.pp, 1):
+            return None  # `pipeline_layout` reports it
+        chunks = len(stages) // max(lay.pp, 1)
+        what = f"--pipeline-model-parallel-layout with {len(stages)} stages"
+    else:
+        chunks = lay.vpp_size or ((total // max(lay.pp, 1)) // v if v and L else 2)
+        what = f"--num-layers-per-virtual-pipeline-stage {v}" if v else f"{lay.vpp_size} virtual stages"
     if chunks <= 1:
         return None  # Megatron sets the virtual size to None: no interleaving
-    what = f"--num-layers-per-virtual-pipeline-stage {v}" if v else f"{lay.vpp_size} virtual stages"
     if lay.overlap_p2p and lay.pp <= 1:
         return (f"when interleaved schedule is used, pipeline-model-parallel size should be greater than 1 "
                 f"(got {lay.pp}, {what})")
     if not lay.overlap_p2p and lay.pp <= 2:
         return (f"when interleaved schedule is used and p2p communication overlap is disabled, "
                 f"pipeline-model-parallel size should be greater than 2 (got {lay.pp}, {what})")
+    if lay.vpp_size and L and even and lay.pp > 0 and total % lay.pp == 0 and (total // lay.pp) % chunks:
+        return (f"num_layers_per_pipeline_rank ({total // lay.pp}) should be divisible by vp_size ({chunks}) "
+                f"(--num-virtual-stages-per-pipeline-rank {lay.vpp_size} on {L} layers at pp={lay.pp})")
     if lay.dp > 0:
         m = lay.microbatches
         if m < lay.pp or m % lay.pp:
             return (f"interleaved schedule runs micro-batches in groups of pipeline-model-parallel size "
                     f"({lay.pp}): the micro-batches per iteration must be a multiple of it (got {m})")
+    return None
+
+
+def pipeline_layout(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: "The length of pipeline_model_parallel_layout must
+    be divisible by pipeline_model_parallel_size"; megatron/core/transformer/pipeline_parallel_layer_layout.py
+    PipelineParallelLayerLayout.validate_layer_layout: "Number of decoder layers ... must match
+    num_layers". (A layout string that no candidate can run is refused before launch: `command_errors`.)"""
+    if not lay.pipeline_layout:
+        return None
+    stages = pipeline_stages(lay.pipeline_layout)
+    if not stages:
+        return None
+    if len(stages) % max(lay.pp, 1):
+        ok = [p for p in divisors(len(stages)) if p > 1]
+        return (f"the length of pipeline_model_parallel_layout ({len(stages)} stages) must be divisible by "
+                f"pipeline model parallel size ({lay.pp}); pp in {ok} would")
+    decoders = sum(st.count("t") for st in stages)
+    if model.num_layers and decoders != model.num_layers:
+        return (f"number of decoder layers in --pipeline-model-parallel-layout ({decoders}) must match "
+                f"num_layers ({model.num_layers})")
+    return None
+
+
+def uneven_pipeline(lay: Layout, model: ModelInfo) -> str | None:
+    """Uneven pipeline split (--decoder-first/last-pipeline-num-layers).
+
+    megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__ (Uneven PP): with
+    interleaving the first/last stage's layers must divide by the virtual size; the layers left
+    for the middle stages and the middle stages must both be zero or both not ("Mismatch: ... middle
+    layers remaining but ... middle PP stages available"), the middle layers divide by the middle
+    stages, and each middle rank's layers by the virtual size. megatron/training/arguments.py
+    validate_args: with --num-layers-per-virtual-pipeline-stage "please use
+    --num-virtual-stages-per-pipeline-rank to specify virtual pipeline parallel degree when enable
+    uneven pipeline parallelism". megatron/core/transformer/transformer_block.py
+    get_num_layers_to_build: a negative middle share cannot be built.
+
+    At pp=1 with both first and last Megatron accepts the command (and builds only the first stage's
+    layers); zenithtune never launches that: `options.adjust` drops both flags at pp=1."""
+    first, last = lay.first_stage_layers, lay.last_stage_layers
+    if first is None and last is None:
+        return None
+    if lay.layers_per_virtual_stage:
+        return ("please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline parallel degree "
+                f"when enable uneven pipeline parallelism (got --num-layers-per-virtual-pipeline-stage "
+                f"{lay.layers_per_virtual_stage} with --decoder-first/last-pipeline-num-layers)")
+    L = model.num_layers
+    if not L:
+        return None
+    v = lay.virtual_stages(L)
+    for name, n in (("first", first), ("last", last)):
+        if n is not None and v > 1 and n % v:
+            return (f"number of layers at {name} stage ({n}) must be divisible by virtual pipeline parallel "
+                    f"degree ({v})")
+    middle = L - (first or 0) - (last or 0)
+    stages = lay.pp - (first is not None) - (last is not None)
+    split = f"{L} layers, first {first}, last {last}, pp={lay.pp}"
+    if bool(middle) != bool(stages):
+        return (f"mismatch: {middle} middle layers remaining but {stages} middle pipeline stages available "
+                f"({split})")
+    if stages and middle % stages:
+        return (f"number of layers at middle stage ({middle}) must be divisible by the middle pipeline model "
+                f"parallel size ({stages}) ({split})")
+    if stages > 0 and middle < 0:
+        return f"the first and last stages hold more layers than the model has ({split})"
+    if stages > 0 and v > 1 and (middle // stages) % v:
+        return (f"number of layers on each middle pipeline rank ({middle // stages}) must be divisible by "
+                f"virtual pipeline parallel degree ({v}) ({split})")
+    return None
+
+
+def hierarchical_cp(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: `assert args.context_parallel_size ==
+    prod(args.hierarchical_context_parallel_sizes)` (hierarchical CP, --cp-comm-type a2a+p2p)."""
+    sizes = lay.hierarchical_cp
+    if sizes and lay.cp != math.prod(sizes):
+        return (f"context parallel size ({lay.cp}) must equal the product of --hierarchical-context-parallel-sizes "
+                f"{' '.join(map(str, sizes))} ({math.prod(sizes)})")
+    return None
+
+
+def hybrid_cp_pipeline(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/training/arguments.py validate_args: "Hybrid context parallelism not supported with
+    pipeline parallelism" (--hybrid-context-parallel with pp > 1)."""
+    if lay.hybrid_cp and lay.pp > 1:
+        return (f"hybrid context parallelism (--hybrid-context-parallel) not supported with pipeline parallelism "
+                f"(pipeline model parallel size {lay.pp})")
+    return None
+
+
+def recompute_modules(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__: with selective
+    recompute, "moe_act in recompute_modules is only supported with moe_grouped_gemm" (the modules are
+    read only under selective granularity)."""
+    if (lay.recompute_granularity == "selective" and lay.recompute_modules
+            and "moe_act" in lay.recompute_modules and not lay.moe_grouped_gemm):
+        return ("moe_act in recompute_modules is only supported with moe_grouped_gemm (selective recompute with "
+                "--recompute-modules " + " ".join(lay.recompute_modules) + "; add --moe-grouped-gemm)")
     return None
 
 
@@ -421,7 +596,13 @@ RULES: tuple[Rule, ...] = (
     Rule("gbs", "megatron", gbs_divisible, "each iteration is a whole number of micro-batches per DP rank"),
     Rule("pp_layers", "megatron", pp_divides_layers, "an even pipeline gives every stage the same layers"),
     Rule("virtual_pipeline", "megatron", virtual_pipeline, "interleaving splits each stage into equal chunks"),
+    Rule("pipeline_layout", "megatron", pipeline_layout, "a pipeline layout lists a whole number of stages per pp rank"),
+    Rule("uneven_pipeline", "megatron", uneven_pipeline,
+         "the middle stages share what the first and last stages leave, evenly"),
+    Rule("hierarchical_cp", "megatron", hierarchical_cp, "hierarchical CP fixes cp to the product of its levels"),
+    Rule("hybrid_cp", "megatron", hybrid_cp_pipeline, "hybrid CP has no pipeline schedule"),
     Rule("recompute", "megatron", recompute_options, "recompute options must be consistent"),
+    Rule("recompute_modules", "megatron", recompute_modules, "moe_act recompute works on grouped GEMM experts"),
     Rule("moe_sequence_parallel", "megatron", moe_needs_sequence_parallel, "MoE with TP requires SP"),
     Rule("local_impl_sequence_parallel", "megatron", local_impl_sequence_parallel,
          "the local implementation's torch LayerNorm refuses SP"),
@@ -461,6 +642,67 @@ def check(lay: Layout, model: ModelInfo, *, kinds: tuple[RuleKind, ...] = ("mega
         reason = rule.check(lay, model)
         if reason:
             out.append((rule.name, reason))
+    return out
+
+
+def command_errors(flags: CommandFacts) -> list[str]:
+    """What Megatron refuses in the command itself, whatever the candidate: the tuner refuses such a
+    command before launch (preflight), the simulator exits as Megatron does. Each names the fix.
+
+    megatron/training/arguments.py validate_args: "--overlap-param-gather only supported with
+    distributed optimizer ..." and "Must use --overlap-param-gather with --overlap-grad-reduce";
+    "--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in cp comm"; "No more
+    than one of the following arguments can be set at the same time: --num-layers-per-virtual-
+    pipeline-stage, --num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout"; hybrid
+    context parallelism "only supported with single dataloader type" and "must be used with
+    --calculate-per-token-loss". megatron/core/transformer/transformer_config.py
+    TransformerConfig.__post_init__: "pipeline_model_parallel_layout cannot be set with other pipeline
+    layout arguments"; first/last stage layers "cannot be set at the same time with
+    account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split"; "...must be larger
+    than 0". PipelineParallelLayerLayout: the layout string itself (`layout_problem`).
+
+    ms-swift (`megatron sft`) defaults to the distributed optimizer, so there only
+    `--use_distributed_optimizer false` makes --overlap_param_gather invalid."""
+    out: list[str] = []
+    if flags.overlap_param_gather and not flags.distributed_optimizer:
+        out.append("--overlap-param-gather only supported with distributed optimizer: add "
+                   "--use-distributed-optimizer or drop --overlap-param-gather")
+    if flags.overlap_param_gather and not flags.overlap_grad_reduce:
+        out.append("must use --overlap-param-gather with --overlap-grad-reduce: add --overlap-grad-reduce or "
+                   "drop --overlap-param-gather")
+    if any("a2a+p2p" in t for t in flags.cp_comm_types) and not flags.hierarchical_cp:
+        out.append("--hierarchical-context-parallel-sizes must be set when a2a+p2p is used in cp comm "
+                   "(--cp-comm-type " + " ".join(flags.cp_comm_types) + ")")
+    vpp = [name for name, on in (("--num-layers-per-virtual-pipeline-stage", flags.layers_per_virtual_stage),
+                                 ("--num-virtual-stages-per-pipeline-rank", flags.virtual_stages),
+                                 ("--pipeline-model-parallel-layout", flags.pipeline_layout)) if on]
+    if len(vpp) > 1 and flags.trainer == "megatron":
+        out.append(f"no more than one of {', '.join(vpp)} can be set at the same time: keep one")
+    uneven = [name for name, n in (("--decoder-first-pipeline-num-layers", flags.first_stage_layers),
+                                   ("--decoder-last-pipeline-num-layers", flags.last_stage_layers))
+              if n is not None]
+    for name, n in (("first", flags.first_stage_layers), ("last", flags.last_stage_layers)):
+        if n is not None and n <= 0:
+            out.append(f"num_layers_in_{name}_pipeline_stage must be larger than 0 "
+                       f"(--decoder-{name}-pipeline-num-layers {n})")
+    account = [name for name, on in (("--account-for-embedding-in-pipeline-split", flags.account_for_embedding),
+                                     ("--account-for-loss-in-pipeline-split", flags.account_for_loss)) if on]
+    if flags.pipeline_layout:
+        problem = layout_problem(flags.pipeline_layout)
+        if problem:
+            out.append(problem)
+        if uneven or account:
+            out.append(f"pipeline_model_parallel_layout cannot be set with other pipeline layout arguments "
+                       f"({', '.join(uneven + account)}): keep the layout or drop it")
+    elif uneven and account:
+        out.append(f"{' and '.join(uneven)} cannot be set at the same time with {' and '.join(account)}: "
+                   f"keep one way of splitting the pipeline")
+    if flags.hybrid_cp:
+        if flags.dataloader_type not in (None, "single"):
+            out.append(f"hybrid context parallelism only supported with single dataloader type "
+                       f"(--dataloader-type {flags.dataloader_type})")
+        if not flags.per_token_loss:
+            out.append("hybrid context parallelism must be used with --calculate-per-token-loss: add it")
     return out
 
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from zenithtune.command import CommandFacts, facts
 from zenithtune.modelinfo import ModelInfo
+from zenithtune.options import layout_fields
 from zenithtune.sim.hardware import GPU, GPUS
 from zenithtune.sim.perturb import NONE, Perturbation, from_options
-from zenithtune.validate import Layout
+from zenithtune.validate import Layout, command_errors
 
 
 class ArgumentError(Exception):
@@ -175,6 +177,16 @@ def megatron_parser() -> _Parser:
     p.add_argument("--expert-tensor-parallel-size", type=int)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    p.add_argument("--pipeline-model-parallel-layout")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    p.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    p.add_argument("--cp-comm-type", nargs="+", default=["p2p"])
+    p.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int)
+    p.add_argument("--hybrid-context-parallel", action="store_true")
+    p.add_argument("--calculate-per-token-loss", action="store_true")
     p.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--overlap-grad-reduce", action="store_true")
@@ -185,6 +197,7 @@ def megatron_parser() -> _Parser:
     p.add_argument("--recompute-method", choices=["uniform", "block"])
     p.add_argument("--recompute-num-layers", type=int)
     p.add_argument("--recompute-activations", action="store_true")
+    p.add_argument("--recompute-modules", nargs="*")
     # precision
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fp16", action="store_true")
@@ -238,9 +251,20 @@ def world_size(option: int | None, env: dict[str, str]) -> int:
         raise ConfigError(f"WORLD_SIZE={value!r} is not an integer", "ValueError") from None
 
 
+def command_flags(program: list[str], argv: list[str]) -> CommandFacts:
+    """The layout flags as the tuner reads them (`command.facts`), so both judge them with the same
+    functions (`validate.command_errors`, the rules); Megatron refuses the command's contradictions."""
+    flags = facts([*program, *argv])
+    errors = command_errors(flags)
+    if errors:
+        raise ConfigError(errors[0])
+    return flags
+
+
 def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
     """Parse like pretrain_gpt.py; raise ArgumentError (exit 2) or ConfigError (exit 1)."""
     args = megatron_parser().parse_args(argv)
+    flags = command_flags(["pretrain_gpt.py"], argv)
     if args.vision_num_layers is None and args.vit_gradient_checkpointing is not None:
         # pretrain_gpt.py has no ViT: the option only exists for a run with a vision tower
         megatron_parser().error("unrecognized arguments: --vit-gradient-checkpointing "
@@ -313,8 +337,10 @@ def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
         n_gpus=n, gbs=gbs, tp=tp, pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
         ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size, mbs=args.micro_batch_size,
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+        vpp_size=args.num_virtual_stages_per_pipeline_rank,
         recompute_granularity=granularity, recompute_method=method, recompute_num_layers=num_layers,
-        sequence_parallel=sequence_parallel, overlap_p2p=args.overlap_p2p_comm)
+        sequence_parallel=sequence_parallel, overlap_p2p=args.overlap_p2p_comm,
+        pipeline_extra_layers=flags.pipeline_extra_layers, **layout_fields(flags))
 
     check_overlap_flags(args, sequence_parallel)
     train_iters = args.train_iters if args.train_iters is not None else max(1, args.train_samples // gbs)
@@ -340,11 +366,9 @@ def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
 
 
 def check_overlap_flags(args: Any, sequence_parallel: bool) -> None:
-    """Option-consistency checks Megatron makes on flags the tuner never varies (both flavours)."""
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ConfigError("--overlap-param-gather only supported with distributed optimizer")
-    if args.overlap_param_gather and not args.overlap_grad_reduce:
-        raise ConfigError("--overlap-grad-reduce should be turned on when using --overlap-param-gather")
+    """Option-consistency checks Megatron makes on flags the tuner never varies (both flavours); the
+    command's own contradictions (--overlap-param-gather without the distributed optimizer, ...) are
+    `command_flags`'s."""
     if args.tp_comm_overlap and not sequence_parallel:
         raise ConfigError("Tensor parallel communication/GEMM overlap can happen only when sequence "
                           "parallelism is enabled")

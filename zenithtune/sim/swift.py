@@ -18,6 +18,7 @@ from datetime import timedelta
 from functools import cache
 
 from zenithtune.modelinfo import info_from_config
+from zenithtune.options import layout_fields
 from zenithtune.sim import physics
 from zenithtune.sim.arguments import (
     ConfigError,
@@ -26,6 +27,7 @@ from zenithtune.sim.arguments import (
     _Parser,
     add_perturb_options,
     check_overlap_flags,
+    command_flags,
     padded_vocab,
     perturbation,
     world_size,
@@ -76,8 +78,14 @@ def swift_parser() -> _Parser:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         _add(p, name, type=int, default=1)
-    _add(p, "expert_tensor_parallel_size", type=int)
+    _add(p, "expert_tensor_parallel_size", type=int)  # None: ms-swift's 1 for a MoE model (Megatron's is tp)
     _add(p, "num_layers_per_virtual_pipeline_stage", type=int)
+    _add(p, "virtual_pipeline_model_parallel_size", type=int)
+    _add(p, "pipeline_model_parallel_layout")
+    _add(p, "decoder_first_pipeline_num_layers", type=int)
+    _add(p, "decoder_last_pipeline_num_layers", type=int)
+    _add(p, "recompute_modules", nargs="*")
+    _add(p, "cp_comm_type", nargs="+")
     _add(p, "micro_batch_size", type=int, default=1)
     _add(p, "global_batch_size", type=int, default=16)
     _add(p, "max_length", type=int, default=2048)
@@ -90,7 +98,9 @@ def swift_parser() -> _Parser:
     for name, default in (("sequence_parallel", False), ("use_distributed_optimizer", True),
                           ("vit_gradient_checkpointing", True), ("overlap_grad_reduce", False),
                           ("overlap_param_gather", False), ("tp_comm_overlap", False), ("bf16", True),
-                          ("fp16", False), ("untie_embeddings_and_output_weights", False)):
+                          ("fp16", False), ("untie_embeddings_and_output_weights", False),
+                          ("account_for_embedding_in_pipeline_split", False),
+                          ("account_for_loss_in_pipeline_split", False)):
         _add_bool(p, name, default)
     for name in _IGNORED:
         _add(p, name, nargs="*")
@@ -121,6 +131,12 @@ def parse_swift(argv: list[str], env: dict[str, str]) -> SimConfig:
     if argv and argv[0] in _SUBCOMMANDS:
         argv = argv[1:]
     args = swift_parser().parse_args(argv)
+    if args.pipeline_model_parallel_size == 1 and (args.decoder_first_pipeline_num_layers is not None
+                                                   or args.decoder_last_pipeline_num_layers is not None):
+        # ms-swift's MegatronArguments.__post_init__, before Megatron sees the arguments
+        raise ConfigError("pipeline_model_parallel_size must be greater than 1 if you want to set "
+                          "decoder_first_pipeline_num_layers or decoder_last_pipeline_num_layers.", "ValueError")
+    flags = command_flags(["megatron", "sft"], argv)
     raw = _load_hf(args.model)
     info = info_from_config(raw, name=args.model)
     if not (info.num_layers and info.hidden_size and info.num_attention_heads and info.vocab_size):
@@ -147,10 +163,13 @@ def parse_swift(argv: list[str], env: dict[str, str]) -> SimConfig:
     n = world_size(args.sim_world_size, env)
     layout = Layout(
         n_gpus=n, gbs=args.global_batch_size, tp=tp, pp=args.pipeline_model_parallel_size,
-        cp=args.context_parallel_size, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+        cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size if args.expert_tensor_parallel_size is not None else (1 if info.is_moe else None),
         mbs=args.micro_batch_size, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+        vpp_size=args.virtual_pipeline_model_parallel_size,
         recompute_granularity=granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers, sequence_parallel=sp)
+        recompute_num_layers=args.recompute_num_layers, sequence_parallel=sp,
+        pipeline_extra_layers=flags.pipeline_extra_layers, **layout_fields(flags))
     if min(tp, layout.pp, layout.cp, layout.ep, layout.expert_tp, layout.mbs, n) < 1:
         raise ConfigError("parallel sizes, --micro_batch_size and the world size must be positive integers")
     check_overlap_flags(args, sp)
