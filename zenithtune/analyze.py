@@ -13,7 +13,7 @@ fANOVA, seeded). Writes next to study.db:
 Each plot is drawn here with matplotlib (not optuna.visualization) so it stays readable from 5 to a
 few hundred trials: integer trial ticks, seconds since the study started, legends outside the data.
 
-A study made by the stock `hydra/sweeper=optuna` (`+baseline=stock_tpe`) has none of our trial
+A study made by the stock `hydra/sweeper=optuna` (`baseline=stock_tpe`) has none of our trial
 attributes; every finished trial of it was a job (screened-out ones included), its parameters are
 named `params.<name>`, and the outcome of each is read from the trial_<n>/trial.json next to study.db.
 """

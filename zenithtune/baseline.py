@@ -1,4 +1,4 @@
-"""Readable output for the stock Hydra + Optuna baseline (`+baseline=stock_tpe`).
+"""Readable output for the stock Hydra + Optuna baseline (`baseline=stock_tpe`).
 
 The stock `hydra/sweeper=optuna` prints nothing per trial except, for every failed one, Hydra's
 "Error executing job with overrides: [...]" on stderr, and nothing at the end. For a comparison a

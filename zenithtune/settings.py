@@ -269,11 +269,15 @@ def check_overrides(overrides: list[str]) -> None:
         if not eq or o.startswith("~"):
             continue
         value = value.strip()
+        if not o.startswith("+"):
+            _check_known(key, value, names)
         if key in GROUPS:
             known = group_choices(key)
             if value not in known and value != "null":
                 noun = {"tuned": "tuned config (./conf/tuned/NAME.yaml)"}.get(key, key)
-                raise UserError(f"{key}={value} is not a {noun}: choose one of {', '.join(known) or 'none yet'}")
+                choose = (f"choose one of {', '.join(known)}" if known else
+                          "there is none yet (save_tuned=NAME writes conf/tuned/NAME.yaml)")
+                raise UserError(f"{key}={value} is not {'an' if noun[0] in 'aeiou' else 'a'} {noun}: {choose}")
             if key == "tuned" and value != "null":
                 check_tuned_file(value)
         elif key in names and key not in ("command", "default_command", "params", "preset", "strategy",
@@ -285,6 +289,19 @@ def check_overrides(overrides: list[str]) -> None:
                 raise UserError(f"{key}={value} is not a valid {kind}: {key} takes "
                                 + ("a number" if kind in ("int", "float") else f"a {kind}")
                                 + " (see conf/config.yaml)") from None
+
+
+def _check_known(key: str, value: str, names: dict[str, Any]) -> None:
+    """A key that is no config key (`n_trails=5`): one line naming the closest one, instead of Hydra's
+    report that ends by advising `+n_trails=5` (which would add an unused key and run anyway)."""
+    import difflib
+
+    top = key.split(".", 1)[0]
+    if top in names or top in GROUPS or top == "hydra" or "/" in top:  # hydra/launcher=...: a group path
+        return
+    close = difflib.get_close_matches(top, [*names, *GROUPS], n=1, cutoff=0.6)
+    fix = f"did you mean {close[0]}={value}?" if close else "the keys are listed by python -m zenithtune --help"
+    raise UserError(f"{key}={value}: {top} is not a zenithtune key; {fix}")
 
 
 # What a tuned config may set. It is merged over the whole config (`# @package _global_`), so any
