@@ -88,7 +88,7 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
                       duration=res.duration if res.duration is not None else time.time() - started,
                       measured_gb=peak / 1024.0 if peak else None, reserved_gb=evidence.get("reserved_gb"),
                       needed_gb=evidence.get("needed_gb"), argv=argv, env=env, log=str(log_path),
-                      process=res.process.to_dict() if res.process else None)
+                      process=res.process.to_dict() if res.process else None, metric=evaluator.metric_name)
     write_run(out_dir / TRIAL_INFO, report)
     if res.interrupted:
         raise KeyboardInterrupt
