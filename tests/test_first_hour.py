@@ -48,3 +48,29 @@ def test_baseline_is_chosen_like_the_other_groups(tmp_path):
     assert r.stdout.startswith("stock hydra/sweeper=optuna (TPESampler): 2 trials"), r.stdout
     r = zt(tmp_path, "-m", "+baseline=stock_tpe", "n_gpus=8", "gbs=64", "n_trials=2")
     assert r.returncode == 0 and "stock hydra/sweeper=optuna" in r.stdout, r.stderr
+
+
+# --- what real Megatron-LM taught (issue 21, items 16 and 18) ---------------------------------------
+SIM = [sys.executable, "-m", "zenithtune.sim", "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size",
+       "14336", "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8", "--seq-length",
+       "8192", "--max-position-embeddings", "8192", "--vocab-size", "128256", "--swiglu", "--disable-bias-linear",
+       "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16", "--use-distributed-optimizer",
+       "--log-throughput", "--sim-gpu", "h100", "--sim-world-size", "8", "--train-iters", "10"]
+
+
+@pytest.mark.slow
+def test_context_parallel_under_the_local_implementation_is_never_launched(tmp_path):
+    """Megatron's DotProductAttention (what --transformer-impl local builds) asserts cp == 1: the space
+    report names the rule and no CP candidate is launched (before: each crashed, one launch apiece)."""
+    import optuna
+
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "strategy.order=space", "storage=s/study.db",
+           "preset.params.tp.values=[1]", "preset.params.pp.values=[2]", "preset.params.cp.values=[1,2]",
+           "preset.params.mbs.values=[1]", "preset.params.recompute_granularity.values=[selective]",
+           "--", *SIM, "--transformer-impl", "local")
+    assert r.returncode == 0, r.stderr
+    assert ("removed by local_impl_context_parallel: e.g. context parallelism (context parallel size 2) is only "
+            "supported by TEDotProductAttention") in r.stdout, r.stdout
+    study = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
+    launched = [t.user_attrs["candidate"] for t in study.trials if t.user_attrs.get("launched")]
+    assert launched and all(c["cp"] == 1 for c in launched), launched
