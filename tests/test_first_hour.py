@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,26 @@ def test_context_parallel_under_the_local_implementation_is_never_launched(tmp_p
     study = optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
     launched = [t.user_attrs["candidate"] for t in study.trials if t.user_attrs.get("launched")]
     assert launched and all(c["cp"] == 1 for c in launched), launched
+
+
+@pytest.mark.slow
+def test_a_tuned_config_carries_its_evaluator_and_no_absolute_path(tmp_path):
+    """A study scored by iteration time (no --log-throughput): `tuned=NAME` reads the score the same way
+    and prints it (before: the default evaluator found no throughput line and printed no score); the
+    committed file names the interpreter and the study relative to the working directory."""
+    import yaml
+
+    plain = [w for w in SIM if w != "--log-throughput"]
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=2", "evaluator=iteration_time", "save_tuned=it8",
+           "storage=runs/a/study.db", "--", *plain)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "conf" / "tuned" / "it8.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert data["evaluator"]["_target_"] == "zenithtune.evaluate.IterationTime"
+    assert data["result"]["study"] == "runs/a/study.db" and "(trial 0 of runs/a/study.db)" in text
+    assert "# command (before injection): python -m zenithtune.sim --num-layers" in text
+    assert str(tmp_path) not in text and sys.executable not in text
+
+    run = zt(tmp_path, "tuned=it8", "--", *plain)
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"^zenithtune: score [0-9.]+ samples/s/GPU \(log: ", run.stdout, re.M), run.stdout[-1500:]

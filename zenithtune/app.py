@@ -141,7 +141,7 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
     if res.returncode == 0:
         try:
             score = evaluator.result()
-            print(f"zenithtune: score {score:g} (log: {out_dir / TRIAL_LOG})", flush=True)
+            print(f"zenithtune: score {score:g} {evaluator.metric_name} (log: {out_dir / TRIAL_LOG})", flush=True)
         except NoMetric:
             pass
     return 124 if res.timed_out else int(res.returncode or 0)

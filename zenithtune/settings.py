@@ -307,7 +307,9 @@ def _check_known(key: str, value: str, names: dict[str, Any]) -> None:
 # What a tuned config may set. It is merged over the whole config (`# @package _global_`), so any
 # other key (a `command:`, a `hydra:` node with env_set, a `defaults:` list) would silently change what
 # runs: a tuned file from someone else must only bring the tuned parameters and the job they fit.
-TUNED_KEYS = ("params", "n_gpus", "gbs", "result")
+# The evaluator that scored the study comes along, so a run prints the same score; its `_target_` is
+# instantiated only when trusted (`build`).
+TUNED_KEYS = ("params", "n_gpus", "gbs", "evaluator", "result")
 
 
 def check_tuned_file(name: str) -> None:
@@ -326,6 +328,10 @@ def check_tuned_file(name: str) -> None:
         raise UserError(f"tuned={name}: cannot read {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
         raise UserError(f"tuned={name}: {path} holds no `params:` mapping (write one with save_tuned={name})")
+    evaluator = data.get("evaluator")
+    if evaluator is not None and not (isinstance(evaluator, dict) and isinstance(evaluator.get("_target_"), str)):
+        raise UserError(f"tuned={name}: {path} has an `evaluator:` without a `_target_` (the evaluator class); "
+                        "write the file again with save_tuned=NAME, or remove the evaluator key")
     extra = sorted(str(k) for k in data if k not in TUNED_KEYS)
     if extra:
         raise UserError(f"tuned={name}: {path} also sets {', '.join(extra)}; a tuned config may only hold "
