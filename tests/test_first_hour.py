@@ -98,3 +98,26 @@ def test_a_tuned_config_carries_its_evaluator_and_no_absolute_path(tmp_path):
     run = zt(tmp_path, "tuned=it8", "--", *plain)
     assert run.returncode == 0, run.stderr
     assert re.search(r"^zenithtune: score [0-9.]+ samples/s/GPU \(log: ", run.stdout, re.M), run.stdout[-1500:]
+
+
+def test_a_long_screening_says_what_it_is_doing():
+    """strategy=grid may screen out hundreds of proposals (minutes) before its next launch: a line every
+    SCREEN_EVERY seconds of silence says so (before: nothing until the next launch). Time is a fake clock."""
+    import io
+
+    from zenithtune.progress import SCREEN_EVERY, Progress
+    from zenithtune.record import Outcome
+
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress(total=5, metric="TFLOP/s/GPU", direction="maximize", out=out, interactive=False,
+                        clock=lambda: now[0])
+    cand = {"tp": 1, "pp": 1, "cp": 2, "mbs": 8, "recompute_granularity": "none"}
+    for step in range(300):
+        now[0] = step * 0.1  # 300 proposals screened out in 30 s
+        progress.skipped(Outcome(candidate=cand, state="pruned", rules=["predicted_oom"], reasons=["..."]))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == int(29.9 // SCREEN_EVERY) == 2
+    assert lines[0] == ("  screening: 101 proposals pruned before launch so far; latest: tp=1 pp=1 cp=2 mbs=8 "
+                        "recompute=none (predicted_oom)")
+    assert lines[1].startswith("  screening: 201 proposals pruned before launch so far")
