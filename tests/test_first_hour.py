@@ -121,3 +121,42 @@ def test_a_long_screening_says_what_it_is_doing():
     assert lines[0] == ("  screening: 101 proposals pruned before launch so far; latest: tp=1 pp=1 cp=2 mbs=8 "
                         "recompute=none (predicted_oom)")
     assert lines[1].startswith("  screening: 201 proposals pruned before launch so far")
+
+
+@pytest.mark.slow
+def test_a_staged_promotion_line_names_what_it_expects_against_the_best(tmp_path):
+    """'measured 475.6 ...; it could beat the best by 1 %' read as a contradiction (475.6 is below the best):
+    the line now gives the rate the lighter setting could reach and the best it is compared with."""
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=staged_blackbox", "n_trials=40", "stage1_trials=10")
+    assert r.returncode == 0, r.stderr
+    found = re.findall(r"promotion: layout .* measured ([0-9.]+) with .*; with .* it does less work and could reach "
+                       r"([0-9.]+), (\d+) % better than the best \(([0-9.]+)\), so it is measured", r.stdout)
+    assert found, r.stdout
+    for measured, reach, gain, best in found:
+        assert float(reach) > float(best) > 0 and float(reach) > float(measured)
+        assert abs(100 * (float(reach) / float(best) - 1) - int(gain)) <= 1
+
+
+@pytest.mark.parametrize("text,shown", [
+    # the first clause, whole, though past 160 characters: not "... times context parallel s"
+    ("invalid_args: world_divisible: world size (8) is not divisible by tensor model parallel size (2) times pipeline "
+     "model parallel size (8) times context parallel size (1) = 16; tp in [1] would divide it at pp=8, cp=1",
+     "invalid_args: world_divisible: world size (8) is not divisible by tensor model parallel size (2) times pipeline "
+     "model parallel size (8) times context parallel size (1) = 16 ..."),
+    ("short; enough", "short; enough"),
+    ("crash: " + "word " * 60, "crash: " + "word " * 28 + "word ..."),  # no clause: after a whole word
+])
+def test_a_long_reason_is_cut_where_a_clause_ends(text, shown):
+    from zenithtune.progress import clip
+
+    assert clip(text) == shown
+
+
+def test_the_gpu_memory_line_says_which_source_it_came_from(tmp_path):
+    """'80 GB from nvidia-smi or the 80 GB default' did not say which (no nvidia-smi here: the default)."""
+    toy = str(Path(__file__).parent / "fixtures" / "toy_trainer.py")
+    env_path = ":".join(p for p in os.environ.get("PATH", "").split(":") if not (Path(p) / "nvidia-smi").exists())
+    r = subprocess.run([sys.executable, "-m", "zenithtune", "-m", "n_gpus=2", "gbs=8", "n_trials=1", "--",
+                        sys.executable, toy], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("ZENITHTUNE_")}, "PATH": env_path})
+    assert "(8/node, 80 GB from the default (no gpu_memory_gb given, nvidia-smi gave none))" in r.stdout, r.stdout[:500]

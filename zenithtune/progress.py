@@ -35,6 +35,23 @@ def describe(cand: dict[str, Any]) -> str:
     return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in cand.items())
 
 
+def clip(text: str, limit: int = _RESULT_MAX) -> str:
+    """`text` shortened to about `limit` characters at the end of a clause ("; "): the last that fits,
+    else the first when it is at most half as long again, else after a whole word; marked " ...". A
+    reason is not cut mid-sentence where a clause ends near the limit (the whole one is in the study)."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit - 4]
+    last, first = head.rfind("; "), text.find("; ")
+    if last > limit // 2:
+        cut = head[:last]
+    elif 0 < first <= limit * 3 // 2:
+        cut = text[:first]
+    else:
+        cut = head[:head.rfind(" ")] if " " in head else head
+    return cut.rstrip(" ;,:") + " ..."
+
+
 def _clock(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
@@ -160,8 +177,7 @@ class Progress(Callbacks):
                 self.best = o.value
             res = f"-> {o.value:g} {self.metric}"
         else:
-            res = f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}"
-            res = res if len(res) <= _RESULT_MAX else res[:_RESULT_MAX - 3] + "..."
+            res = clip(f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}")
         best = f"best {self.best:g}" if self.best is not None else "best -"
         took = f"{o.duration:.1f} s, " if o.duration is not None else ""
         self.line(f"{self._pending or f'[{n}/{self.total}]'} {res}  {best}  ({took}{_clock(time.time() - self.start)})")
