@@ -248,14 +248,14 @@ its exit code is zenithtune's; n_gpus/gbs come from the study (override with --a
 
 ANALYZE_EXAMPLES = """\
 examples:
-  zenithtune analyze outputs/study_20261129_101500/study.db
-  zenithtune analyze outputs/study_20261129_101500          # the folder works too
+  zenithtune analyze outputs/study_20261129_101500_123456_4242/study.db
+  zenithtune analyze outputs/study_20261129_101500_123456_4242   # the folder works too
   zenithtune analyze outputs/qwen3/study.db --all --no-plots
 
 Prints every launched trial, the best configuration, best vs first, why candidates were pruned and
 the parameter importances; writes history.png, importances.png, parallel.png and timeline.png next
 to study.db. Works while the study runs and after an interruption. For an interactive view:
-  optuna-dashboard sqlite:///outputs/study_20261129_101500/study.db
+  optuna-dashboard sqlite:///outputs/study_20261129_101500_123456_4242/study.db
 """
 
 
