@@ -82,7 +82,11 @@ def parse_kv(text: str) -> list[tuple[str, str]]:
         if not eq or not key:
             raise UserError(f"--args {text!r}: {part!r} is not key=value (e.g. --args n_gpus=8,gbs=64)")
         if key not in known:
-            raise UserError(f"--args: unknown key {key!r}; known keys: {', '.join(known)}")
+            import difflib
+
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            raise UserError(f"--args: unknown key {key!r}" + (f"; did you mean {close[0]}={value.strip()}?" if close
+                                                               else f"; known keys: {', '.join(known)}"))
         pairs.append((key, value.strip()))
     return pairs
 
