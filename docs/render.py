@@ -24,7 +24,7 @@ Output is stdout and stderr together, with an "[exit code N]" line when N is not
 Volatile parts are normalised so that a block only changes when what a user sees changes:
     the temporary folder                    -> /tmp/demo
     this interpreter (sys.executable)       -> python
-    study_/run_ folder stamps (date, time, microseconds, pid) -> study_20261129_101500 / run_20261129_101500
+    study_/run_ folder stamps (date, time, microseconds, pid) -> study_20261129_101500_123456_4242 (same shape)
     "made YYYY-MM-DD HH:MM" (tuned configs) -> made 2026-11-29 10:15
     a trial's wall time "(0.4 s, 0:00:03)"  -> (0.2 s, 0:00:01); other H:MM:SS clocks -> 0:00:01
     analyze's "s" column, "time in trials"  -> 0.2 per trial
@@ -172,7 +172,8 @@ def normalise(text: str, workdir: Path, times: bool = True) -> str:
         text = text.replace(path, "/tmp/demo")
     for exe in sorted({sys.executable, os.path.realpath(sys.executable)}, key=len, reverse=True):
         text = text.replace(exe, "python")
-    text = re.sub(r"\b(study|run)_\d{8}_\d{6}(?:_\d+_\d+)?\b", r"\1_20261129_101500", text)
+    text = re.sub(r"\b(study|run)_\d{8}_\d{6}(_\d+_\d+)?\b", lambda m: f"{m[1]}_20261129_101500"
+                  + ("_123456_4242" if m[2] else ""), text)
     text = re.sub(r"\bmade \d{4}-\d\d-\d\d \d\d:\d\d\b", "made 2026-11-29 10:15", text)
     if not times:  # a check=no block is about wall time (timeouts, Ctrl-C): keep the measured ones
         return "\n".join(line.rstrip() for line in text.split("\n"))

@@ -1,5 +1,5 @@
 """analyze on real studies: the plots, report.html opened in a real headless Chromium, and a study
-made by the stock Hydra + Optuna sweeper (+baseline=stock_tpe)."""
+made by the stock Hydra + Optuna sweeper (baseline=stock_tpe)."""
 from __future__ import annotations
 
 import os
@@ -92,7 +92,7 @@ window.addEventListener('load', () => {
 
 @pytest.mark.slow
 def test_stock_baseline_prints_a_line_per_trial_a_summary_and_analyze_reads_it(tmp_path: Path) -> None:
-    r = zt(tmp_path, "-m", "+baseline=stock_tpe", "n_gpus=8", "gbs=64", "n_trials=6")
+    r = zt(tmp_path, "-m", "baseline=stock_tpe", "n_gpus=8", "gbs=64", "n_trials=6")
     assert r.returncode == 0, r.stderr
     assert "Error executing job" not in r.stderr and "UserWarning" not in r.stderr
     trial_lines = [line for line in r.stdout.splitlines() if line.startswith("[")]
@@ -113,3 +113,15 @@ def test_stock_baseline_prints_a_line_per_trial_a_summary_and_analyze_reads_it(t
     assert "best: none yet" not in a.stdout
     assert "params.tp" not in a.stdout  # parameters under their own names
     assert (db.parent / "report.html").is_file()
+    # issue 21 item 9: each failure's reason, the best command and the score's unit, all from trial.json
+    assert "says why" not in a.stdout
+    failed = [line for line in trial_lines if " -> invalid_args: " in line]
+    assert failed, r.stdout  # the seeded sampler draws invalid layouts among its first 6
+    for line in failed:
+        number = line.split("trial ")[1].split()[0]
+        row = next(r for r in a.stdout.splitlines() if re.match(rf"^│\s+{number} │ invalid_args ", r))
+        assert "world_divisible: world size (8) is not divisible" in row, row
+    assert re.search(r"^┃ +# ┃ state .* TFLOP/s/GPU ┃", a.stdout, re.M), a.stdout
+    assert f"best: trial {best.group(1)}  {best.group(2)} TFLOP/s/GPU" in a.stdout
+    assert re.search(r"^  argv: .* -m zenithtune\.sim .*--tensor-model-parallel-size", a.stdout, re.M), a.stdout
+    assert 'id="best-command"' in (db.parent / "report.html").read_text()

@@ -118,7 +118,8 @@ def test_db_path_may_be_the_study_folder_or_a_url(tmp_path):
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["optimize", "--strategy", "simulated-annealing"], "is not a strategy: choose one of"),
     (["optimize", "--preset", "jax"], "is not a preset"),
-    (["optimize", "--args", "n_gpu=8"], "unknown key 'n_gpu'"),
+    (["optimize", "--args", "n_gpu=8"], "unknown key 'n_gpu'; did you mean n_gpus=8?"),
+    (["optimize", "--args", "xyzzy=8"], "unknown key 'xyzzy'; known keys: n_gpus, gbs"),
     (["optimize", "--args", "n_gpus"], "is not key=value"),
     (["optimize", "--n-trials", "many"], "invalid int value"),
     (["optimize", "--"], "nothing after `--`"),
@@ -218,13 +219,14 @@ def test_optimize_writes_the_study_best_yaml_and_a_tuned_config(seed_study):
     tuned_path = cwd / "conf" / "tuned" / "llama8b_8xh100.yaml"
     text = tuned_path.read_text()
     tuned = yaml.safe_load(text)
-    assert list(tuned) == ["n_gpus", "gbs", "params", "result"]  # small, stable key order
+    assert list(tuned) == ["n_gpus", "gbs", "params", "evaluator", "result"]  # small, stable key order
     assert tuned["params"] == best["params"] == study.best_trial.user_attrs["candidate"]
     assert (tuned["n_gpus"], tuned["gbs"]) == (8, 64)
     head = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    for fact in (f"{study.best_value:g} TFLOP/s/GPU", "n_gpus=8 gbs=64", "strategy grid", str(db),
-                 "zenithtune.sim --num-layers=32", "tuned=llama8b_8xh100"):
+    for fact in (f"{study.best_value:g} TFLOP/s/GPU", "n_gpus=8 gbs=64", "strategy grid", str(db.relative_to(cwd)),
+                 "# command (before injection): python -m zenithtune.sim --num-layers=32", "tuned=llama8b_8xh100"):
         assert fact in head, fact
+    assert str(cwd) not in text  # paths relative to the working directory: nothing machine-specific committed
     assert "--tensor-model-parallel-size" not in head  # the command is stored without the injected options
     assert f"zenithtune analyze {db}" in r.stdout
 
@@ -289,8 +291,11 @@ def test_apply_a_committed_tuned_config_both_spellings(seed_study):
     plain = shlex.split(re.search(r"^# command \(before injection\): (.+)$", text, re.M).group(1))
     r = run(cwd, "apply", "--tuned", "llama8b_8xh100", "--", *plain)
     assert r.returncode == 0, r.stderr[-3000:]
-    # the same options with the same values; the re-added ones come last, as `--k v`
-    assert options(applied_argv(r.stdout)) == options(best.user_attrs["argv"])
+    # the same options with the same values; the re-added ones come last, as `--k v`; the header names
+    # the interpreter `python` (no machine's path in a committed file)
+    applied, study = options(applied_argv(r.stdout)), options(best.user_attrs["argv"])
+    assert applied.pop("argv0") == "python" and Path(study.pop("argv0")).is_absolute()
+    assert applied == study
 
 
 def test_apply_returns_the_commands_exit_code(seed_study):

@@ -167,6 +167,9 @@ TUNER_ONLY_CASES = (
          DENSE, ("sequence parallel not supported by torch LayerNorm", "--transformer-impl local")),
     Case("moe_sequence_parallel", Layout(n_gpus=8, gbs=64, tp=2, ep=4, local_impl=True), MOE,
          ("tensor model parallel size 2", "--transformer-impl local cannot run it"), "local"),
+    Case("local_impl_context_parallel", Layout(n_gpus=8, gbs=64, cp=2, local_impl=True), DENSE,
+         ("context parallelism (context parallel size 2) is only supported by TEDotProductAttention",
+          "--transformer-impl local")),
     Case("tp_comm_overlap", Layout(n_gpus=8, gbs=64, tp=1, tp_comm_overlap=True), DENSE,
          ("--tp-comm-overlap", "tp=1")),
     Case("distribute_saved_activations", Layout(n_gpus=8, gbs=64, distribute_saved_activations=True,
@@ -255,6 +258,7 @@ def test_the_valid_layouts_next_to_the_cases_run():
     (Layout(n_gpus=8, gbs=64, pp=4, pipeline_extra_layers=2), m(DENSE, num_layers=30)),
     # the local implementation without sequence parallelism; tp-comm-overlap with it; distribute without SP
     (Layout(n_gpus=8, gbs=64, tp=2, local_impl=True), DENSE),
+    (Layout(n_gpus=8, gbs=64, cp=2), DENSE),  # CP under Transformer Engine (the default implementation)
     (Layout(n_gpus=8, gbs=64, tp=2, sequence_parallel=True, tp_comm_overlap=True), DENSE),
     (Layout(n_gpus=8, gbs=64, tp=2, distribute_saved_activations=True, recompute_granularity="full",
             recompute_method="uniform", recompute_num_layers=1), DENSE),

@@ -136,7 +136,7 @@ def test_gbs_that_fits_no_layout_names_the_value(tmp_path):
 def test_unknown_group_option_is_one_line_listing_the_available_ones(tmp_path, group, name, choice):
     r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", f"{group}={name}", timeout=120)
     assert r.returncode == 2
-    assert r.stderr.startswith(f"zenithtune: error: {group}={name} is not a ") and choice in r.stderr
+    assert r.stderr.startswith(f"zenithtune: error: {group}={name} is not a") and choice in r.stderr  # a or an
     assert len(r.stderr.strip().splitlines()) == 1
 
 
@@ -227,7 +227,10 @@ def test_an_ms_swift_study_explains_itself_in_seconds_per_iteration(tmp_path):
              re.findall(r"predicted ([0-9.e+-]+) \+-\d+% .*? could beat best ([0-9.e+-]+)", r.stdout)]
     assert pairs, r.stdout
     assert all(0.5 < p / b < 2 for p, b in pairs), pairs
-    assert "TFLOP/s x" in r.stdout  # the prior's unit is named
+    # the prior in the metric's own unit, not the model's TFLOP/s times a unit change (issue 21 item 12)
+    priors = re.findall(r"\(prior ([0-9.e+-]+) s/it x ([0-9.]+) learned from \d+ runs?", r.stdout)
+    assert priors and all(0.5 < float(x) < 2 for _, x in priors), r.stdout
+    assert "TFLOP/s" not in "".join(line for line in r.stdout.splitlines() if "why:" in line)
 
 
 def test_sizes_and_durations_read_back_from_a_study_db_are_numbers_or_nothing():

@@ -43,6 +43,14 @@ def _sweep_dir_override(hydra_args: list[str]) -> list[str]:
     return [f"hydra.sweep.dir={hydra_quote(str(path.parent))}"]
 
 
+def _baseline_appended(hydra_args: list[str]) -> list[str]:
+    """`baseline=stock_tpe` as `+baseline=stock_tpe`. The baseline replaces our sweeper with the stock
+    Optuna one, and Hydra lets a config do that only when it is appended after conf/config.yaml's own
+    `override hydra/sweeper: zenithtune` (a `baseline: null` slot in the defaults list would lose to
+    it). So the group is written like the others on the command line and appended here."""
+    return [f"+{a}" if key(a) == "baseline" and not a.startswith(("+", "~")) else a for a in hydra_args]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     hydra_args, command = split_command(argv)
@@ -56,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         from zenithtune.settings import check_overrides
 
         check_overrides([a for a in hydra_args if not a.startswith("-")])
-        hydra_args = hydra_args + _search_path_override(hydra_args) + _sweep_dir_override(hydra_args)
+        hydra_args = _baseline_appended(hydra_args) + _search_path_override(hydra_args) + _sweep_dir_override(hydra_args)
     except ZenithtuneError as e:
         return report(e)
     from zenithtune import signals

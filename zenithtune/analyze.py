@@ -13,30 +13,32 @@ fANOVA, seeded). Writes next to study.db:
 Each plot is drawn here with matplotlib (not optuna.visualization) so it stays readable from 5 to a
 few hundred trials: integer trial ticks, seconds since the study started, legends outside the data.
 
-A study made by the stock `hydra/sweeper=optuna` (`+baseline=stock_tpe`) has none of our trial
-attributes; every finished trial of it was a job (screened-out ones included), its parameters are
-named `params.<name>`, and the outcome of each is read from the trial_<n>/trial.json next to study.db.
+Trials are read only through `record` (`record.review`: one `Outcome` per trial, running ones
+included). A study made by the stock `hydra/sweeper=optuna` (`baseline=stock_tpe`) has none of our
+trial attributes; `record` reads each of its trials from the trial_<n>/trial.json next to study.db
+(every finished one was a job, screened-out ones included).
 """
 from __future__ import annotations
 
 import base64
-import copy
 import datetime as _dt
 import html
-import json
 import shlex
 import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from zenithtune import record
 from zenithtune import study as zstudy
 from zenithtune.progress import SHORT
+from zenithtune.record import Outcome
 
 PLOTS = ("history.png", "importances.png", "parallel.png", "timeline.png")
 _COLOURS = {"complete": "tab:green", "running": "tab:blue", "timeout": "tab:orange", "oom": "tab:red",
@@ -47,91 +49,62 @@ def load(db: str, study_name: str | None = None) -> tuple[optuna.Study, str]:
     return zstudy.load_existing(db, study_name)
 
 
-def _state(t: FrozenTrial) -> str:
-    if t.state == TrialState.COMPLETE:
-        return "complete"
-    if t.state == TrialState.FAIL:
-        return str(t.user_attrs.get("kind") or "failed")
-    if t.state == TrialState.PRUNED:
-        return "pruned"
-    return t.state.name.lower()  # running (a live study), waiting
+def _state(o: Outcome) -> str:
+    """complete, pruned, running, or a failed trial's kind."""
+    return (o.kind or "failed") if o.state == "failed" else o.state
 
 
-def _cand(t: FrozenTrial) -> dict[str, Any]:
-    return dict(t.user_attrs.get("candidate") or t.params)
+def _scored(outcomes: list[Outcome]) -> list[Outcome]:
+    """The launched trials with a score."""
+    return [o for o in outcomes if o.launched and o.ok]
 
 
-def _is_stock(study: optuna.Study, trials: list[FrozenTrial]) -> bool:
-    """Made by the stock Optuna sweeper: no study record of ours and no trial with our attributes."""
-    return not study.user_attrs.get(zstudy.STUDY_ATTR) and not any("launched" in t.user_attrs for t in trials)
+def _best(outcomes: list[Outcome], maximize: bool) -> Outcome | None:
+    done = _scored(outcomes)
+    return (max if maximize else min)(done, key=lambda o: float(o.value or 0.0)) if done else None
 
 
-def _stock_trials(trials: list[FrozenTrial], folder: Path | None) -> list[FrozenTrial]:
-    """Copies of a stock study's trials with the attributes our own sweeper records (never written back)."""
-    out = []
-    for t in trials:
-        t = copy.deepcopy(t)
-        attrs: dict[str, Any] = {"candidate": {k.removeprefix("params."): v for k, v in t.params.items()}}
-        info: dict[str, Any] = {}
-        if folder is not None:
-            try:
-                info = json.loads((folder / f"trial_{t.number}" / "trial.json").read_text())
-            except (OSError, ValueError):
-                info = {}
-        if t.state in (TrialState.COMPLETE, TrialState.FAIL):
-            attrs["launched"] = True  # a job the stock sweeper ran and counted, screened out or not
-        failure = info.get("failure") or {}
-        if t.state == TrialState.FAIL:
-            attrs["kind"] = failure.get("kind") or "failed"
-            attrs["reasons"] = [failure.get("reason") or "no trial.json next to study.db says why"]
-        if isinstance(info.get("duration"), (int, float)):
-            attrs["duration"] = info["duration"]
-        if info.get("argv") and "returncode" in info:
-            attrs["argv"] = info["argv"]
-        t.user_attrs = attrs
-        out.append(t)
-    return out
-
-
-def _best(trials: list[FrozenTrial], maximize: bool) -> FrozenTrial | None:
-    done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("launched") and t.value is not None]
-    return (max if maximize else min)(done, key=lambda t: float(t.value or 0.0)) if done else None
-
-
-def _ratio(best: FrozenTrial, first: FrozenTrial, maximize: bool) -> str:
+def _ratio(best: Outcome, first: Outcome, maximize: bool) -> str:
     if not first.value or not best.value:
         return "-"
     r = best.value / first.value if maximize else first.value / best.value
     return f"x{r:.2f}"
 
 
+def _keys(outcomes: list[Outcome]) -> list[str]:
+    """Every parameter name, in the order the trials first name them."""
+    keys: list[str] = []
+    for o in outcomes:
+        keys += [k for k in o.candidate if k not in keys]
+    return keys
+
+
+def _row(o: Outcome, keys: list[str]) -> tuple[list[str], str, str, str]:
+    """A trial's parameter cells, score, seconds and failure / reason, as the table and the page show them."""
+    value = f"{o.value:g}" if o.ok and o.value is not None else ""
+    dur = f"{o.duration:.1f}" if o.duration is not None else ""
+    reasons = "; ".join(str(r) for r in o.reasons) if o.state in ("failed", "pruned") else ""
+    return [str(o.candidate.get(k, "")) for k in keys], value, dur, reasons
+
+
 # --- text ----------------------------------------------------------------------------------------
-def _table(trials: list[FrozenTrial], best: FrozenTrial | None, metric: str) -> Any:
+def _table(outcomes: list[Outcome], best: Outcome | None, metric: str) -> Any:
     from rich.table import Table
 
-    keys: list[str] = []
-    for t in trials:
-        keys += [k for k in _cand(t) if k not in keys]
-    table = Table(title=f"{len(trials)} trials", show_lines=False, header_style="bold")
+    keys = _keys(outcomes)
+    table = Table(title=f"{len(outcomes)} trials", show_lines=False, header_style="bold")
     table.add_column("#", justify="right")
     table.add_column("state")
     for k in keys:
         table.add_column(SHORT.get(k, k), justify="right")
-    table.add_column(metric or "value", justify="right")
+    table.add_column(metric, justify="right")
     table.add_column("s", justify="right")
     table.add_column("failure / reason", overflow="ellipsis", no_wrap=True, max_width=70)
-    for t in trials:
-        cand = _cand(t)
-        state = _state(t)
-        reasons = t.user_attrs.get("reasons") or []
-        value = f"{t.value:g}" if t.state == TrialState.COMPLETE and t.value is not None else ""
-        dur = t.user_attrs.get("duration")
-        style = "bold green" if best is not None and t.number == best.number else (
-            "red" if t.state == TrialState.FAIL else ("dim" if t.state == TrialState.PRUNED else None))
-        table.add_row(str(t.number) + (" *" if style == "bold green" else ""), state,
-                      *[str(cand.get(k, "")) for k in keys], value,
-                      f"{dur:.1f}" if isinstance(dur, (int, float)) else "",
-                      "; ".join(str(r) for r in reasons) if state != "complete" else "", style=style)
+    for o in outcomes:
+        cells, value, dur, reasons = _row(o, keys)
+        is_best = best is not None and o.trial_number == best.trial_number
+        style = "bold green" if is_best else {"failed": "red", "pruned": "dim"}.get(o.state)
+        table.add_row(f"{o.trial_number}{' *' if is_best else ''}", _state(o), *cells, value, dur, reasons, style=style)
     return table
 
 
@@ -146,8 +119,10 @@ def _evaluator() -> tuple[Any, str]:
     return FanovaImportanceEvaluator(seed=0), "fANOVA"
 
 
-def _importances(study: optuna.Study, complete: list[FrozenTrial]) -> tuple[dict[str, float] | None, str]:
-    """Parameter -> importance over the parameters that vary, or None and the reason there is none."""
+def _importances(study: optuna.Study) -> tuple[dict[str, float] | None, str]:
+    """Parameter -> importance over the parameters that vary, or None and the reason there is none.
+    Optuna computes them from its own record of the complete trials (their distributions)."""
+    complete: list[FrozenTrial] = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if len(complete) < 2:
         return None, f"needs at least 2 complete trials (this study has {len(complete)})"
     common = [k for k in complete[0].params if all(k in t.params for t in complete)]
@@ -180,13 +155,13 @@ def _trial_axis(ax: Any) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
 
 
-def _history(trials: list[FrozenTrial], metric: str, maximize: bool) -> Any:
+def _history(outcomes: list[Outcome], metric: str, maximize: bool) -> Any:
     import matplotlib.pyplot as plt
 
-    done = [t for t in trials if t.user_attrs.get("launched") and t.state == TrialState.COMPLETE and t.value is not None]
-    failed = [t for t in trials if t.user_attrs.get("launched") and t.state == TrialState.FAIL]
+    done = _scored(outcomes)
+    failed = [o for o in outcomes if o.launched and o.state == "failed"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    xs, ys = [t.number for t in done], [float(t.value or 0.0) for t in done]
+    xs, ys = [int(o.trial_number or 0) for o in done], [float(o.value or 0.0) for o in done]
     ax.scatter(xs, ys, s=18 if len(done) > 50 else 36, color="tab:blue", zorder=3, label="complete trial")
     best, run_x, run_y = None, [], []
     for x, y in zip(xs, ys):
@@ -200,15 +175,15 @@ def _history(trials: list[FrozenTrial], metric: str, maximize: bool) -> Any:
         lo = min(ys) if ys else 0.0
         hi = max(ys) if ys else 1.0
         y0 = lo - 0.08 * (hi - lo or max(abs(lo), 1.0))
-        for kind in sorted({_state(t) for t in failed}):
-            fx = [t.number for t in failed if _state(t) == kind]
+        for kind in sorted({_state(o) for o in failed}):
+            fx = [int(o.trial_number or 0) for o in failed if _state(o) == kind]
             ax.scatter(fx, [y0] * len(fx), marker="x", s=30, color=_COLOURS.get(kind, "tab:purple"),
                        label=f"{kind} (no score)", zorder=3)
     _trial_axis(ax)
     ax.set_xlabel("trial number")
-    ax.set_ylabel(metric or "score")
+    ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
-    ax.set_title(f"Score per trial ({metric or 'value'}, {'higher' if maximize else 'lower'} is better): "
+    ax.set_title(f"Score per trial ({metric}, {'higher' if maximize else 'lower'} is better): "
                  f"{len(done)} complete, {len(failed)} failed")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return fig
@@ -229,22 +204,20 @@ def _number(text: str) -> bool:
     return True
 
 
-def _parallel(trials: list[FrozenTrial], metric: str, maximize: bool) -> Any:
+def _parallel(outcomes: list[Outcome], metric: str, maximize: bool) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib import cm, colors
 
-    done = [t for t in trials if t.user_attrs.get("launched") and t.state == TrialState.COMPLETE and t.value is not None]
-    keys: list[str] = []
-    for t in done:
-        keys += [k for k in _cand(t) if k not in keys]
+    done = _scored(outcomes)
+    keys = _keys(done)
     # one axis per parameter that varies (a parameter missing in a trial, e.g. method under
     # selective recompute, shows as "-")
-    cols = [k for k in keys if len({repr(_cand(t).get(k, "-")) for t in done}) > 1] or keys[:1]
-    scores = [float(t.value or 0.0) for t in done]
+    cols = [k for k in keys if len({repr(o.candidate.get(k, "-")) for o in done}) > 1] or keys[:1]
+    scores = [float(o.value or 0.0) for o in done]
     fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * (len(cols) + 1)), 5))
     pos = {}
     for j, k in enumerate(cols):
-        ys, labels = _axis_values([_cand(t).get(k, "-") for t in done])
+        ys, labels = _axis_values([o.candidate.get(k, "-") for o in done])
         top = max(len(labels) - 1, 1)
         pos[k] = [y / top for y in ys]
         for i, lab in enumerate(labels):
@@ -267,41 +240,40 @@ def _parallel(trials: list[FrozenTrial], metric: str, maximize: bool) -> Any:
         ax.axvline(j, color="0.3", linewidth=0.8, zorder=1)
     ax.text(len(cols), 0, f" {lo:g}", fontsize=8, va="center", ha="left")
     ax.text(len(cols), 1, f" {hi:g}", fontsize=8, va="center", ha="left")
-    ax.set_xticks(range(len(cols) + 1), [SHORT.get(k, k) for k in cols] + [metric or "score"])
+    ax.set_xticks(range(len(cols) + 1), [SHORT.get(k, k) for k in cols] + [metric])
     ax.set_xlim(-0.2, len(cols) + 0.4)
     ax.set_ylim(-0.06, 1.06)
     ax.set_yticks([])
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.02, label=metric or "score")
-    ax.set_title(f"Parameters of the {len(done)} complete trials, coloured by {metric or 'score'} "
-                 f"(thick: best, trial {done[best_i].number})")
+    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.02, label=metric)
+    ax.set_title(f"Parameters of the {len(done)} complete trials, coloured by {metric} "
+                 f"(thick: best, trial {done[best_i].trial_number})")
     return fig
 
 
-def _timeline(trials: list[FrozenTrial]) -> Any:
+def _timeline(outcomes: list[Outcome]) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
     now = _dt.datetime.now()
-    launched = [t for t in trials if (t.user_attrs.get("launched") or t.state == TrialState.RUNNING)
-                and t.datetime_start is not None]
+    launched = [o for o in outcomes if (o.launched or o.state == "running") and o.started is not None]
     if not launched:
         raise ValueError("no launched trial has a start time")
-    t0 = min(t.datetime_start or now for t in launched)
+    t0 = min(o.started or now for o in launched)
     fig, ax = plt.subplots(figsize=(9, min(12.0, max(2.8, 0.22 * len(launched) + 1.5))))
     seen: dict[str, str] = {}
-    for i, t in enumerate(launched):
-        start = ((t.datetime_start or t0) - t0).total_seconds()
-        end = ((t.datetime_complete or now) - t0).total_seconds()
-        state = _state(t)
+    for i, o in enumerate(launched):
+        start = ((o.started or t0) - t0).total_seconds()
+        end = ((o.finished or now) - t0).total_seconds()
+        state = _state(o)
         colour = _COLOURS.get(state, "tab:purple")
         seen.setdefault(state, colour)
         ax.barh(i, max(end - start, 1e-3), left=start, color=colour, height=0.7)
     ax.yaxis.set_major_locator(MaxNLocator(nbins=min(len(launched), 20), integer=True))
     ax.set_yticks([i for i in ax.get_yticks() if 0 <= i < len(launched)])
-    ax.set_yticklabels([f"trial {launched[int(i)].number}" for i in ax.get_yticks()])
+    ax.set_yticklabels([f"trial {launched[int(i)].trial_number}" for i in ax.get_yticks()])
     ax.set_ylim(len(launched) - 0.5, -0.5)  # first launch at the top
     ax.set_xlim(left=0)
     ax.set_xlabel(f"seconds since the first trial started ({t0:%Y-%m-%d %H:%M:%S})")
@@ -323,21 +295,19 @@ def _importance_bars(imp: dict[str, float], how: str) -> Any:
     return fig
 
 
-def plot(study: optuna.Study, out_dir: Path, metric: str, importances: dict[str, float] | None,
-         trials: list[FrozenTrial] | None = None, how: str = "") -> tuple[list[Path], list[str]]:
+def plot(outcomes: list[Outcome], out_dir: Path, metric: str, maximize: bool,
+         importances: dict[str, float] | None, how: str = "") -> tuple[list[Path], list[str]]:
     """Write the PNGs; returns the files written and one line per plot that could not be drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
-    trials = study.get_trials(deepcopy=False) if trials is None else trials
-    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
-    complete = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("launched")]
+    complete = _scored(outcomes)
     jobs: list[tuple[str, Callable[[], Any], str | None]] = [
-        ("history.png", lambda: _history(trials, metric, maximize), None if complete else "needs a complete trial"),
+        ("history.png", lambda: _history(outcomes, metric, maximize), None if complete else "needs a complete trial"),
         ("importances.png", lambda: _importance_bars(importances or {}, how),
          None if complete and importances is not None else "see importances above"),
-        ("parallel.png", lambda: _parallel(trials, metric, maximize), None if complete else "needs a complete trial"),
-        ("timeline.png", lambda: _timeline(trials), None),
+        ("parallel.png", lambda: _parallel(outcomes, metric, maximize), None if complete else "needs a complete trial"),
+        ("timeline.png", lambda: _timeline(outcomes), None),
     ]
     written, skipped = [], []
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -355,31 +325,24 @@ def plot(study: optuna.Study, out_dir: Path, metric: str, importances: dict[str,
 
 
 # --- the report ----------------------------------------------------------------------------------
-def report_html(title: str, lines: list[str], trials: list[FrozenTrial], best: FrozenTrial | None,
+def report_html(title: str, lines: list[str], outcomes: list[Outcome], best: Outcome | None,
                 metric: str, images: list[Path]) -> str:
     """One self-contained HTML page (no network, no files beside it): what analyze printed, the
     trial table, the best command, and the plots as data URIs."""
     esc = html.escape
-    keys: list[str] = []
-    for t in trials:
-        keys += [k for k in _cand(t) if k not in keys]
+    keys = _keys(outcomes)
     head = "".join(f"<th>{esc(SHORT.get(k, k))}</th>" for k in keys)
     rows = []
-    for t in trials:
-        state = _state(t)
-        value = f"{t.value:g}" if t.state == TrialState.COMPLETE and t.value is not None else ""
-        dur = t.user_attrs.get("duration")
-        reasons = "; ".join(str(r) for r in t.user_attrs.get("reasons") or []) if state != "complete" else ""
-        cls = "best" if best is not None and t.number == best.number else state
-        cells = "".join(f"<td>{esc(str(_cand(t).get(k, '')))}</td>" for k in keys)
-        rows.append(f'<tr class="{esc(cls)}"><td>{t.number}{" *" if cls == "best" else ""}</td><td>{esc(state)}</td>'
-                    f"{cells}<td>{esc(value)}</td><td>{f'{dur:.1f}' if isinstance(dur, (int, float)) else ''}</td>"
-                    f"<td>{esc(reasons)}</td></tr>")
+    for o in outcomes:
+        cells, value, dur, reasons = _row(o, keys)
+        cls = "best" if best is not None and o.trial_number == best.trial_number else _state(o)
+        tds = "".join(f"<td>{esc(c)}</td>" for c in cells)
+        rows.append(f'<tr class="{esc(cls)}"><td>{o.trial_number}{" *" if cls == "best" else ""}</td>'
+                    f"<td>{esc(_state(o))}</td>{tds}<td>{esc(value)}</td><td>{dur}</td><td>{esc(reasons)}</td></tr>")
     if best is not None:
-        argv = best.user_attrs.get("argv")
-        best_html = (f"<p id=\"best\">Best: trial {best.number}, {best.value:g} {esc(metric)}: "
-                     f"{esc(' '.join(f'{SHORT.get(k, k)}={v}' for k, v in _cand(best).items()))}</p>"
-                     + (f"<pre id=\"best-command\">{esc(shlex.join(argv))}</pre>" if argv else ""))
+        best_html = (f"<p id=\"best\">Best: trial {best.trial_number}, {best.value:g} {esc(metric)}: "
+                     f"{esc(' '.join(f'{SHORT.get(k, k)}={v}' for k, v in best.candidate.items()))}</p>"
+                     + (f"<pre id=\"best-command\">{esc(shlex.join(best.argv))}</pre>" if best.argv else ""))
     else:
         best_html = '<p id="best">Best: none yet (no complete trial)</p>'
     figures = "".join(
@@ -402,7 +365,7 @@ figure {{ margin: 1em 0; }} img {{ max-width: 100%; }}
 {best_html}
 <pre id="summary">{esc(chr(10).join(lines))}</pre>
 <h2>Trials</h2>
-<table id="trials"><thead><tr><th>#</th><th>state</th>{head}<th>{esc(metric or 'value')}</th><th>s</th>
+<table id="trials"><thead><tr><th>#</th><th>state</th>{head}<th>{esc(metric)}</th><th>s</th>
 <th>failure / reason</th></tr></thead>
 <tbody>
 {chr(10).join(rows)}
@@ -414,102 +377,133 @@ figure {{ margin: 1em 0; }} img {{ max-width: 100%; }}
 
 
 # --- the command ---------------------------------------------------------------------------------
+@dataclass
+class _Study:
+    """One study as analyze reads it: its trials as `record.Outcome`s and what the study says of itself."""
+
+    study: optuna.Study
+    url: str
+    outcomes: list[Outcome]
+    meta: dict[str, Any]  # what our sweeper recorded about the study (n_gpus, gbs, model, strategy, metric)
+    metric: str  # the score's unit, e.g. TFLOP/s/GPU ("score" when the study does not say)
+    maximize: bool
+    stock: bool  # made by the stock hydra/sweeper=optuna
+
+    @property
+    def folder(self) -> Path | None:
+        path = zstudy.db_path(self.url)
+        return path.parent if path else None
+
+    @property
+    def launched(self) -> list[Outcome]:
+        return record.launched(self.outcomes)
+
+
+def _read(db: str, study_name: str | None) -> _Study:
+    study, url = load(db, study_name)  # a ZenithtuneError is the CLI's one line
+    path = zstudy.db_path(url)
+    folder = path.parent if path else None
+    meta = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
+    metric = meta.get("metric") or record.stock_metric(study, folder) or "score"
+    return _Study(study, url, record.review(study, folder), meta, metric,
+                  study.direction == optuna.study.StudyDirection.MAXIMIZE, record.is_stock(study))
+
+
+def _overview(s: _Study) -> list[str]:
+    """Where the study is, what made it, what still runs."""
+    shape = " ".join(f"{k}={s.meta[k]}" for k in ("n_gpus", "gbs", "model", "strategy") if s.meta.get(k) is not None)
+    lines = [f"study {s.study.study_name!r} in {zstudy.db_path(s.url) or s.url}" + (f"  ({shape})" if shape else "")]
+    if s.stock:
+        lines.append("made by the stock hydra/sweeper=optuna: every job counts as launched (screened-out ones "
+                     "included); outcomes from trial_<n>/trial.json")
+    running = [o for o in s.outcomes if o.state == "running"]
+    if running:
+        lines.append(f"still running: trial {', '.join(str(o.trial_number) for o in running)} in progress "
+                     "(or the tuner died; resuming records it as interrupted)")
+    return lines
+
+
+def _counts(s: _Study) -> list[str]:
+    """Launches by outcome, time spent, and what was pruned before launch, by rule."""
+    launched = s.launched
+    complete = sum(1 for o in launched if o.ok)
+    running = sum(1 for o in s.outcomes if o.state == "running")
+    failed = Counter(_state(o) for o in launched if o.state == "failed")
+    lines = [f"launched {len(launched)}: {complete} complete" + "".join(f", {n} {k}" for k, n in failed.most_common())
+             + (f", {running} running" if running else ""),
+             f"time in trials: {sum(o.duration or 0.0 for o in launched):.1f} s"]
+    pruned = [o for o in s.outcomes if o.state == "pruned"]
+    if not pruned:
+        return lines + ["pruned before launch: 0"]
+    lines.append(f"pruned before launch (never run, not counted in n_trials): {len(pruned)}")
+    for rule, n in Counter(r for o in pruned for r in (o.rules or ["?"])).most_common():
+        example = next((o.reasons[0] for o in pruned if rule in (o.rules or ["?"]) and o.reasons), "")
+        lines.append(f"  {n:5d} {rule}: e.g. {example}")
+    return lines
+
+
+def _verdict(s: _Study, best: Outcome | None) -> list[str]:
+    """The best trial, its command, and how much better it is than the first launch."""
+    if best is None:
+        return ["best: none yet (no complete trial)"]
+    lines = ["", f"best: trial {best.trial_number}  {best.value:g} {s.metric}"]
+    lines += [f"  {k}: {v}" for k, v in best.candidate.items()]
+    if best.argv:
+        lines.append(f"  argv: {shlex.join(best.argv)}")
+    first = next((o for o in s.launched if o.state != "running"), None)
+    if first is not None and first.ok:
+        lines.append(f"best vs first launched trial (trial {first.trial_number}, {first.value:g}): "
+                     f"{_ratio(best, first, s.maximize)}")
+    elif first is not None:
+        first_ok = _scored(s.outcomes)[0]
+        lines.append(f"first launched trial {first.trial_number} failed ({_state(first)}); best vs first complete "
+                     f"(trial {first_ok.trial_number}, {first_ok.value:g}): {_ratio(best, first_ok, s.maximize)}")
+    return lines
+
+
+def _importance_lines(imp: dict[str, float] | None, how: str) -> list[str]:
+    if imp is None:
+        return [f"parameter importances: not available, {how}"]
+    lines = [f"parameter importances over the complete trials ({how}):"]
+    for k, v in imp.items():
+        name = k.removeprefix("params.")  # a stock study names them params.<name>
+        lines.append(f"  {SHORT.get(name, name):>12s}  {v:5.2f}  {'#' * round(v * 40)}")
+    return lines
+
+
 def analyze(db: str, study_name: str | None = None, plots: bool = True, show_all: bool = False,
             out: Any = None) -> int:
+    """Print what a study found and write its plots and report.html next to its study.db."""
     from rich.console import Console
 
     console = Console(file=out or sys.stdout, highlight=False, soft_wrap=False,
                       width=None if (out or sys.stdout).isatty() else 200)
     said: list[str] = []  # the same lines go into report.html
 
-    def say(text: str = "") -> None:
-        said.append(text)
-        console.print(text, markup=False, soft_wrap=True)
+    def say(*lines: str) -> None:
+        for text in lines:
+            said.append(text)
+            console.print(text, markup=False, soft_wrap=True)
 
-    study, url = load(db, study_name)  # a ZenithtuneError is the CLI's one line
-    trials = study.get_trials(deepcopy=False)
-    if not trials:
-        print(f"zenithtune analyze: error: study {study.study_name!r} in {url} has no trials yet", file=sys.stderr)
+    s = _read(db, study_name)
+    if not s.outcomes:
+        print(f"zenithtune analyze: error: study {s.study.study_name!r} in {s.url} has no trials yet", file=sys.stderr)
         return 1
-    meta = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
-    metric = meta.get("metric", "")
-    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
-    folder = zstudy.db_path(url)
-    stock = _is_stock(study, trials)
-    if stock:
-        trials = _stock_trials(trials, folder.parent if folder else None)
-    launched = [t for t in trials if t.user_attrs.get("launched")]
-    running = [t for t in trials if t.state == TrialState.RUNNING]
-    pruned = [t for t in trials if t.state == TrialState.PRUNED]
-    complete = [t for t in launched if t.state == TrialState.COMPLETE]
-    best = _best(trials, maximize)
-    first = next((t for t in launched if t.state != TrialState.RUNNING), None)
-
-    shape = " ".join(f"{k}={meta[k]}" for k in ("n_gpus", "gbs", "model", "strategy") if meta.get(k) is not None)
-    say(f"study {study.study_name!r} in {zstudy.db_path(url) or url}" + (f"  ({shape})" if shape else ""))
-    if stock:
-        say("made by the stock hydra/sweeper=optuna: every job counts as launched (screened-out ones "
-            "included); outcomes from trial_<n>/trial.json")
-    if running:
-        say(f"still running: trial {', '.join(str(t.number) for t in running)} in progress "
-            "(or the tuner died; resuming records it as interrupted)")
-    shown = trials if show_all else [t for t in trials if t.user_attrs.get("launched") or t.state == TrialState.RUNNING]
+    best = _best(s.outcomes, s.maximize)
+    say(*_overview(s))
+    shown = s.outcomes if show_all else [o for o in s.outcomes if o.launched or o.state == "running"]
     if shown:
-        console.print(_table(shown, best, metric))
-
-    failed = Counter(_state(t) for t in launched if t.state == TrialState.FAIL)
-    say(f"launched {len(launched)}: {len(complete)} complete"
-        + "".join(f", {n} {k}" for k, n in failed.most_common()) + (f", {len(running)} running" if running else ""))
-    busy = sum(float(t.user_attrs.get("duration") or 0) for t in launched)
-    say(f"time in trials: {busy:.1f} s")
-    if pruned:
-        rules = Counter(r for t in pruned for r in (t.user_attrs.get("rules") or ["?"]))
-        say(f"pruned before launch (never run, not counted in n_trials): {len(pruned)}")
-        for rule, n in rules.most_common():
-            example = next((t.user_attrs.get("reasons", [""])[0] for t in pruned
-                            if rule in (t.user_attrs.get("rules") or [])), "")
-            say(f"  {n:5d} {rule}: e.g. {example}")
-    else:
-        say("pruned before launch: 0")
-
-    if best is not None:
-        say("")
-        say(f"best: trial {best.number}  {best.value:g} {metric}".rstrip())
-        for k, v in _cand(best).items():
-            say(f"  {k}: {v}")
-        if best.user_attrs.get("argv"):
-            say(f"  argv: {shlex.join(best.user_attrs['argv'])}")
-        if first is not None and first.state == TrialState.COMPLETE:
-            say(f"best vs first launched trial (trial {first.number}, {first.value:g}): "
-                f"{_ratio(best, first, maximize)}")
-        elif first is not None:
-            first_ok = complete[0]
-            say(f"first launched trial {first.number} failed ({_state(first)}); best vs first complete "
-                f"(trial {first_ok.number}, {first_ok.value:g}): {_ratio(best, first_ok, maximize)}")
-    else:
-        say("best: none yet (no complete trial)")
-
-    imp, why = _importances(study, [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))])
-    if imp is None:
-        say(f"parameter importances: not available, {why}")
-    else:
-        say(f"parameter importances over the complete trials ({why}):")
-        for k, v in imp.items():
-            name = k.removeprefix("params.")  # a stock study names them params.<name>
-            say(f"  {SHORT.get(name, name):>12s}  {v:5.2f}  {'#' * round(v * 40)}")
-
+        console.print(_table(shown, best, s.metric))
+    say(*_counts(s), *_verdict(s, best))
+    imp, how = _importances(s.study)
+    say(*_importance_lines(imp, how))
     if plots:
-        out_dir = folder.parent if folder else Path.cwd()
-        written, skipped = plot(study, out_dir, metric, imp, trials, why)
-        say("")
-        for p in written:
-            say(f"wrote {p}")
-        for s in skipped:
-            say(f"no {s}")
+        out_dir = s.folder or Path.cwd()
+        written, skipped = plot(s.outcomes, out_dir, s.metric, s.maximize, imp, how)
+        say("", *[f"wrote {p}" for p in written], *[f"no {x}" for x in skipped])
         page = out_dir / "report.html"
         say(f"wrote {page}  (one self-contained page: table, plots, best command)")
-        table_rows = trials if show_all else shown
-        page.write_text(report_html(f"zenithtune study {study.study_name!r}", said, table_rows, best, metric, written),
+        page.write_text(report_html(f"zenithtune study {s.study.study_name!r}", said, shown, best, s.metric, written),
                         encoding="utf-8")
-    say(f"interactive view: optuna-dashboard {url}  (pip install optuna-dashboard)")
+    say(f"interactive view: optuna-dashboard {s.url}  (pip install optuna-dashboard)")
     return 0

@@ -88,7 +88,7 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
                       duration=res.duration if res.duration is not None else time.time() - started,
                       measured_gb=peak / 1024.0 if peak else None, reserved_gb=evidence.get("reserved_gb"),
                       needed_gb=evidence.get("needed_gb"), argv=argv, env=env, log=str(log_path),
-                      process=res.process.to_dict() if res.process else None)
+                      process=res.process.to_dict() if res.process else None, metric=evaluator.metric_name)
     write_run(out_dir / TRIAL_INFO, report)
     if res.interrupted:
         raise KeyboardInterrupt
@@ -141,7 +141,7 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
     if res.returncode == 0:
         try:
             score = evaluator.result()
-            print(f"zenithtune: score {score:g} (log: {out_dir / TRIAL_LOG})", flush=True)
+            print(f"zenithtune: score {score:g} {evaluator.metric_name} (log: {out_dir / TRIAL_LOG})", flush=True)
         except NoMetric:
             pass
     return 124 if res.timed_out else int(res.returncode or 0)

@@ -1,4 +1,4 @@
-"""Readable output for the stock Hydra + Optuna baseline (`+baseline=stock_tpe`).
+"""Readable output for the stock Hydra + Optuna baseline (`baseline=stock_tpe`).
 
 The stock `hydra/sweeper=optuna` prints nothing per trial except, for every failed one, Hydra's
 "Error executing job with overrides: [...]" on stderr, and nothing at the end. For a comparison a
@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from zenithtune.progress import describe
+from zenithtune.progress import clip, describe
 from zenithtune.record import TRIAL_INFO, read_run
 from zenithtune.run import FailureKind
 
@@ -101,7 +101,7 @@ class StockProgress(Callback):
             result = f"{score:g} {self.metric}"
         else:
             self.kinds[res["kind"] or "failed"] += 1
-            result = f"{res['kind']}: {res['reason']}"[:160]
+            result = clip(f"{res['kind']}: {res['reason']}")
         best = f"  best {self.best[0]:g}" if self.best else ""
         print(f"[{self.n}/{self.total}] trial {num}  {cand} -> {result}{best}", flush=True)
 

@@ -82,7 +82,11 @@ def parse_kv(text: str) -> list[tuple[str, str]]:
         if not eq or not key:
             raise UserError(f"--args {text!r}: {part!r} is not key=value (e.g. --args n_gpus=8,gbs=64)")
         if key not in known:
-            raise UserError(f"--args: unknown key {key!r}; known keys: {', '.join(known)}")
+            import difflib
+
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            raise UserError(f"--args: unknown key {key!r}" + (f"; did you mean {close[0]}={value.strip()}?" if close
+                                                               else f"; known keys: {', '.join(known)}"))
         pairs.append((key, value.strip()))
     return pairs
 
@@ -248,14 +252,14 @@ its exit code is zenithtune's; n_gpus/gbs come from the study (override with --a
 
 ANALYZE_EXAMPLES = """\
 examples:
-  zenithtune analyze outputs/study_20261129_101500/study.db
-  zenithtune analyze outputs/study_20261129_101500          # the folder works too
+  zenithtune analyze outputs/study_20261129_101500_123456_4242/study.db
+  zenithtune analyze outputs/study_20261129_101500_123456_4242   # the folder works too
   zenithtune analyze outputs/qwen3/study.db --all --no-plots
 
 Prints every launched trial, the best configuration, best vs first, why candidates were pruned and
 the parameter importances; writes history.png, importances.png, parallel.png and timeline.png next
 to study.db. Works while the study runs and after an interruption. For an interactive view:
-  optuna-dashboard sqlite:///outputs/study_20261129_101500/study.db
+  optuna-dashboard sqlite:///outputs/study_20261129_101500_123456_4242/study.db
 """
 
 

@@ -14,7 +14,7 @@ from zenithtune.command import facts, trainer_problem
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
 from zenithtune.inject import find_option
-from zenithtune.memory import MemoryModel, gpu_capacity_gb
+from zenithtune.memory import DEFAULT_CAPACITY_GB, MemoryModel, gpu_capacity_gb
 from zenithtune.record import Outcome
 from zenithtune.run import FailureKind, command_problem
 from zenithtune.settings import TimeoutPolicy, ZenithtuneConf, build, timeouts, trial_params, wrapped_command
@@ -84,7 +84,8 @@ def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:
     sim_gpu = find_option(command, "--sim-gpu")
     if isinstance(sim_gpu, str) and sim_gpu.lower() in SIM_GPU_MEMORY_GB:
         return SIM_GPU_MEMORY_GB[sim_gpu.lower()], f"--sim-gpu {sim_gpu}"
-    return gpu_capacity_gb(None), "nvidia-smi or the 80 GB default"
+    gb = gpu_capacity_gb(None)  # nvidia-smi's GPU 0, else the default: say which one it was
+    return gb, "nvidia-smi" if gb != DEFAULT_CAPACITY_GB else "the default (no gpu_memory_gb given, nvidia-smi gave none)"
 
 
 def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:

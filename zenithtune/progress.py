@@ -5,7 +5,10 @@ One line per launched trial, in a terminal and in a log alike:
   [4/50] trial 9  tp=1 pp=1 cp=1 mbs=8 recompute=selective -> oom: CUDA out of memory ...  best 415  (...)
 In an interactive terminal a progress bar (launched/n_trials, best so far, elapsed, ETA) stays below
 the lines (rich); when stdout is not a terminal (CI, `| tee`, a log file) only the plain lines are
-written. `TTY_INTERACTIVE=0` forces plain lines in a terminal too.
+written. `TTY_INTERACTIVE=0` forces plain lines in a terminal too. While proposals are screened out
+for a while without a launch (a grid walking past thousands of candidates), a line every
+`SCREEN_EVERY` seconds says so:
+  screening: 392 proposals pruned before launch so far; latest: tp=1 pp=1 cp=1 mbs=8 recompute=none (predicted_oom)
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import atexit
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,10 +28,28 @@ from zenithtune.record import Outcome
 SHORT = {"recompute_granularity": "recompute", "recompute_method": "method",
          "recompute_num_layers": "layers", "vit_gradient_checkpointing": "vit_ckpt"}
 _RESULT_MAX = 160  # characters of a failure reason on a trial line; trial.log has the rest
+SCREEN_EVERY = 10.0  # seconds without a line while proposals are screened out before a screening line
 
 
 def describe(cand: dict[str, Any]) -> str:
     return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in cand.items())
+
+
+def clip(text: str, limit: int = _RESULT_MAX) -> str:
+    """`text` shortened to about `limit` characters at the end of a clause ("; "): the last that fits,
+    else the first when it is at most half as long again, else after a whole word; marked " ...". A
+    reason is not cut mid-sentence where a clause ends near the limit (the whole one is in the study)."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit - 4]
+    last, first = head.rfind("; "), text.find("; ")
+    if last > limit // 2:
+        cut = head[:last]
+    elif 0 < first <= limit * 3 // 2:
+        cut = text[:first]
+    else:
+        cut = head[:head.rfind(" ")] if " " in head else head
+    return cut.rstrip(" ;,:") + " ..."
 
 
 def _clock(seconds: float) -> str:
@@ -47,7 +69,7 @@ def _interactive(out: TextIO) -> bool:
 
 class Progress(Callbacks):
     def __init__(self, total: int, metric: str, direction: str, out: TextIO | None = None,
-                 interactive: bool | None = None):
+                 interactive: bool | None = None, clock: Callable[[], float] = time.monotonic):
         from rich.console import Console
 
         self.total = total
@@ -64,9 +86,12 @@ class Progress(Callbacks):
         self._why: str | None = None
         self._bar: Any = None  # rich.progress.Progress while trials run (interactive only)
         self._task: Any = None
+        self._clock = clock
+        self._last_line = clock()  # when the last line was written (screening lines fill long silences)
 
     # --- output ------------------------------------------------------------------------------------
     def line(self, text: str = "") -> None:
+        self._last_line = self._clock()
         if self._bar is not None:
             self._bar.console.print(text)
         elif self.interactive:
@@ -152,8 +177,7 @@ class Progress(Callbacks):
                 self.best = o.value
             res = f"-> {o.value:g} {self.metric}"
         else:
-            res = f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}"
-            res = res if len(res) <= _RESULT_MAX else res[:_RESULT_MAX - 3] + "..."
+            res = clip(f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}")
         best = f"best {self.best:g}" if self.best is not None else "best -"
         took = f"{o.duration:.1f} s, " if o.duration is not None else ""
         self.line(f"{self._pending or f'[{n}/{self.total}]'} {res}  {best}  ({took}{_clock(time.time() - self.start)})")
@@ -163,6 +187,9 @@ class Progress(Callbacks):
     def skipped(self, o: Outcome) -> None:
         self.pruned += 1
         self._update(pruned=self.pruned)
+        if self._clock() - self._last_line >= SCREEN_EVERY:
+            self.line(f"  screening: {self.pruned} proposals pruned before launch so far; latest: "
+                      f"{describe(o.candidate)} ({', '.join(o.rules) or 'screened out'})")
 
     def interrupted(self, url: str, hint: str | None, reason: str) -> None:
         """`reason` names the stop (signals.reason(): Ctrl-C, or the signal a scheduler sent)."""

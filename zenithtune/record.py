@@ -6,10 +6,13 @@ Every proposal of a study becomes one Optuna trial, and its facts travel as one 
   - a launched run reports its part of it as `Launched`, which the entry function also leaves in
     `<trial dir>/trial.json` (`write_run` / `read_run`) for a sweeper in another process.
 Optuna's state says where it ended: COMPLETE (a score), FAIL (launched, no score: `kind` says why),
-PRUNED (never launched: `rules` and `reasons` say why).
+PRUNED (never launched: `rules` and `reasons` say why). `analyze` also shows trials still RUNNING, and
+reads a study made by the stock `hydra/sweeper=optuna` (`baseline=stock_tpe`), whose trials carry none
+of our attributes, from each trial's trial.json (`review`).
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
 from collections import Counter
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-State = Literal["complete", "failed", "pruned"]
+State = Literal["complete", "failed", "pruned", "running"]  # running: only in `review` (analyze)
 
 TRIAL_LOG = "trial.log"  # per launched trial: exact argv, then the command's output
 TRIAL_INFO = "trial.json"  # per launched trial: a `Launched`, for the sweeper
@@ -77,6 +80,8 @@ class Outcome:
     env: dict[str, str] | None = None
     log: str | None = None
     timeout: float | None = None
+    started: _dt.datetime | None = None  # when the trial started and ended (Optuna's record of it)
+    finished: _dt.datetime | None = None
 
     @property
     def ok(self) -> bool:
@@ -103,6 +108,7 @@ class Launched:
     env: dict[str, str] | None = None
     log: str | None = None
     process: dict[str, Any] | None = None  # processes.TrialProcess: finds the trial's processes again
+    metric: str | None = None  # the score's unit (the evaluator's metric_name), e.g. TFLOP/s/GPU
 
 
 def write_run(path: Path, run: Launched) -> None:
@@ -163,11 +169,68 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         predicted_gb=_amount(a.get(Attr.PREDICTED_GB)), measured_gb=_amount(a.get(Attr.MEASURED_GB)),
         reserved_gb=_amount(a.get(Attr.RESERVED_GB)), needed_gb=_amount(a.get(Attr.NEEDED_GB)), trial_number=t.number,
         stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
-        argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT))
+        argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT),
+        started=t.datetime_start, finished=t.datetime_complete)
 
 
 def history(study: optuna.Study) -> list[Outcome]:
     return [o for o in (outcome_of(t) for t in study.get_trials(deepcopy=False)) if o is not None]
+
+
+def is_stock(study: optuna.Study) -> bool:
+    """Made by the stock Optuna sweeper (`baseline=stock_tpe`): no trial carries our attributes."""
+    return not any(Attr.LAUNCHED in t.user_attrs or Attr.CANDIDATE in t.user_attrs
+                   for t in study.get_trials(deepcopy=False))
+
+
+def _stock_outcome(t: FrozenTrial, folder: Path | None) -> Outcome:
+    """A stock sweeper's trial: parameters named `params.<name>`, and every finished one was a job (one
+    the entry function screened out included); what became of it is in its trial_<n>/trial.json."""
+    from optuna.trial import TrialState
+
+    state: State = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed",
+                    TrialState.PRUNED: "pruned"}.get(t.state, "running")  # type: ignore[assignment]
+    path = folder / f"trial_{t.number}" / TRIAL_INFO if folder is not None else None
+    run = read_run(path) if path is not None else None
+    o = Outcome(candidate={k.removeprefix("params."): v for k, v in t.params.items()}, state=state,
+                value=t.value if state == "complete" else None, launched=state in ("complete", "failed"),
+                trial_number=t.number, started=t.datetime_start, finished=t.datetime_complete)
+    if run is not None:
+        o.duration, o.argv, o.env, o.log = _amount(run.duration), run.argv, run.env, run.log
+        o.measured_gb = _amount(run.measured_gb)
+    if state == "failed":
+        o.kind = (run.kind if run is not None else None) or FailureKind.CRASH.value
+        o.reasons = [run.reason if run is not None and run.reason else
+                     f"no readable {path or TRIAL_INFO} says why (the entry function did not finish)"]
+    return o
+
+
+def review(study: optuna.Study, folder: Path | None = None) -> list[Outcome]:
+    """Every trial of a study as `analyze` shows it, running ones included (state "running"). A
+    stock sweeper's study is read from the trial.json files in `folder` (the study.db's folder)."""
+    trials = study.get_trials(deepcopy=False)
+    if is_stock(study):
+        return [_stock_outcome(t, folder) for t in trials]
+    out = []
+    for t in trials:
+        o = outcome_of(t)
+        if o is None:  # running (a live study) or waiting
+            o = Outcome(candidate=dict(t.user_attrs.get(Attr.CANDIDATE) or t.params), state="running",
+                        launched=bool(t.user_attrs.get(Attr.LAUNCHED)), trial_number=t.number, why=t.user_attrs.get(Attr.WHY) or "",
+                        started=t.datetime_start)
+        out.append(o)
+    return out
+
+
+def stock_metric(study: optuna.Study, folder: Path | None) -> str | None:
+    """The unit a stock sweeper's study scored in, from the first trial.json that names it."""
+    if folder is None or not is_stock(study):
+        return None
+    for t in study.get_trials(deepcopy=False):
+        run = read_run(folder / f"trial_{t.number}" / TRIAL_INFO)
+        if run is not None and run.metric:
+            return run.metric
+    return None
 
 
 def launched(outcomes: Iterable[Outcome]) -> list[Outcome]:

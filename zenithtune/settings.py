@@ -269,11 +269,15 @@ def check_overrides(overrides: list[str]) -> None:
         if not eq or o.startswith("~"):
             continue
         value = value.strip()
+        if not o.startswith("+"):
+            _check_known(key, value, names)
         if key in GROUPS:
             known = group_choices(key)
             if value not in known and value != "null":
                 noun = {"tuned": "tuned config (./conf/tuned/NAME.yaml)"}.get(key, key)
-                raise UserError(f"{key}={value} is not a {noun}: choose one of {', '.join(known) or 'none yet'}")
+                choose = (f"choose one of {', '.join(known)}" if known else
+                          "there is none yet (save_tuned=NAME writes conf/tuned/NAME.yaml)")
+                raise UserError(f"{key}={value} is not {'an' if noun[0] in 'aeiou' else 'a'} {noun}: {choose}")
             if key == "tuned" and value != "null":
                 check_tuned_file(value)
         elif key in names and key not in ("command", "default_command", "params", "preset", "strategy",
@@ -287,10 +291,25 @@ def check_overrides(overrides: list[str]) -> None:
                                 + " (see conf/config.yaml)") from None
 
 
+def _check_known(key: str, value: str, names: dict[str, Any]) -> None:
+    """A key that is no config key (`n_trails=5`): one line naming the closest one, instead of Hydra's
+    report that ends by advising `+n_trails=5` (which would add an unused key and run anyway)."""
+    import difflib
+
+    top = key.split(".", 1)[0]
+    if top in names or top in GROUPS or top == "hydra" or "/" in top:  # hydra/launcher=...: a group path
+        return
+    close = difflib.get_close_matches(top, [*names, *GROUPS], n=1, cutoff=0.6)
+    fix = f"did you mean {close[0]}={value}?" if close else "the keys are listed by python -m zenithtune --help"
+    raise UserError(f"{key}={value}: {top} is not a zenithtune key; {fix}")
+
+
 # What a tuned config may set. It is merged over the whole config (`# @package _global_`), so any
 # other key (a `command:`, a `hydra:` node with env_set, a `defaults:` list) would silently change what
 # runs: a tuned file from someone else must only bring the tuned parameters and the job they fit.
-TUNED_KEYS = ("params", "n_gpus", "gbs", "result")
+# The evaluator that scored the study comes along, so a run prints the same score; its `_target_` is
+# instantiated only when trusted (`build`).
+TUNED_KEYS = ("params", "n_gpus", "gbs", "evaluator", "result")
 
 
 def check_tuned_file(name: str) -> None:
@@ -309,6 +328,10 @@ def check_tuned_file(name: str) -> None:
         raise UserError(f"tuned={name}: cannot read {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
         raise UserError(f"tuned={name}: {path} holds no `params:` mapping (write one with save_tuned={name})")
+    evaluator = data.get("evaluator")
+    if evaluator is not None and not (isinstance(evaluator, dict) and isinstance(evaluator.get("_target_"), str)):
+        raise UserError(f"tuned={name}: {path} has an `evaluator:` without a `_target_` (the evaluator class); "
+                        "write the file again with save_tuned=NAME, or remove the evaluator key")
     extra = sorted(str(k) for k in data if k not in TUNED_KEYS)
     if extra:
         raise UserError(f"tuned={name}: {path} also sets {', '.join(extra)}; a tuned config may only hold "

@@ -1,13 +1,18 @@
 """Tuned configs: the best configuration of a study as a YAML file a user commits to git.
 
-`conf/tuned/NAME.yaml` (and `best.yaml` in every study folder) holds `params` (the candidate) plus the
-job it was tuned for (n_gpus, gbs) and its provenance; `python -m zenithtune tuned=NAME -- cmd` and
-`zenithtune apply --tuned NAME` run it.
+`conf/tuned/NAME.yaml` (and `best.yaml` in every study folder) holds `params` (the candidate), the
+job it was tuned for (n_gpus, gbs), the evaluator that scored it (so a run with it prints the same
+score) and its provenance; `python -m zenithtune tuned=NAME -- cmd` and `zenithtune apply --tuned NAME`
+run it. Paths in the provenance are written relative to the working directory (the interpreter as
+`python`), so a committed file holds no machine's absolute paths.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import shlex
+import sys
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -16,13 +21,28 @@ from zenithtune.job import Job
 from zenithtune.record import Outcome
 
 
+def portable(word: str) -> str:
+    """A word of a command or a path as a user types it in the working directory: an absolute path
+    inside it relative to it (also after `--opt=`), this interpreter as `python`; anything else as is."""
+    key, eq, value = word.partition("=") if word.startswith("-") else ("", "", word)
+    if value == sys.executable:
+        return f"{key}{eq}python"
+    if os.path.isabs(value):
+        try:
+            return f"{key}{eq}{Path(value).relative_to(Path.cwd())}"
+        except ValueError:
+            pass
+    return word
+
+
 def tuned_yaml(job: Job, best: Outcome, study: str, name: str | None) -> str:
     """A tuned config (stable key order, headed by its provenance)."""
     assert best.value is not None and best.trial_number is not None  # best() returns complete trials only
     # The command as the user wrote it, with the tuned options taken out (they live in params).
-    plain = inject(job.command, {o: None for o in job.space.options(best.candidate)})
+    plain = [portable(w) for w in inject(job.command, {o: None for o in job.space.options(best.candidate)})]
     model = job.conf.model or (job.ctx.model.name if job.ctx.model.name != "command" else None)
     metric = job.evaluator.metric_name
+    study = portable(study)
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     head = [
         "# @package _global_",
@@ -34,6 +54,7 @@ def tuned_yaml(job: Job, best: Outcome, study: str, name: str | None) -> str:
         f"# apply: python -m zenithtune tuned={name or 'NAME'} -- <your training command>",
     ]
     body = OmegaConf.to_yaml({"n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "params": best.candidate,
+                              "evaluator": dict(job.conf.evaluator),  # how the score was read: a run with it prints one too
                               "result": {"score": float(best.value), "metric": metric, "trial": best.trial_number,
                                          "study": study, "strategy": job.strategy_name}}, sort_keys=False)
     return "\n".join(head) + "\n" + body

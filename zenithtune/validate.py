@@ -495,6 +495,17 @@ def local_impl_sequence_parallel(lay: Layout, model: ModelInfo) -> str | None:
     return None
 
 
+def local_impl_context_parallel(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/dot_product_attention.py DotProductAttention.__init__: `assert
+    self.config.context_parallel_size == 1, "Context parallelism is only supported by
+    TEDotProductAttention!"`: --transformer-impl local builds its attention from this class (the
+    local layer spec); only Transformer Engine's attention runs a CP ring (Megatron-LM main, Dec 2026)."""
+    if lay.local_impl and lay.cp > 1:
+        return (f"context parallelism (context parallel size {lay.cp}) is only supported by TEDotProductAttention; "
+                "the command's --transformer-impl local cannot run it (cp=1, or --transformer-impl transformer_engine)")
+    return None
+
+
 def tp_comm_overlap_needs_sp(lay: Layout, model: ModelInfo) -> str | None:
     """megatron/training/arguments.py validate_args: "Tensor parallel communication/GEMM overlap can
     happen only when sequence parallelism is enabled" (sequence parallelism is off at tp == 1)."""
@@ -606,6 +617,8 @@ RULES: tuple[Rule, ...] = (
     Rule("moe_sequence_parallel", "megatron", moe_needs_sequence_parallel, "MoE with TP requires SP"),
     Rule("local_impl_sequence_parallel", "megatron", local_impl_sequence_parallel,
          "the local implementation's torch LayerNorm refuses SP"),
+    Rule("local_impl_context_parallel", "megatron", local_impl_context_parallel,
+         "the local implementation's attention has no CP ring"),
     Rule("tp_comm_overlap", "megatron", tp_comm_overlap_needs_sp, "TP comm overlap works on SP's collectives"),
     Rule("distribute_saved_activations", "megatron", distribute_saved_activations,
          "distributing the saved layer input needs TP, full recompute and no SP"),

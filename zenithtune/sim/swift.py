@@ -122,7 +122,7 @@ def _load_hf(model: str | None) -> dict:
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--model {model!r}: no config.json there (the simulator reads local directories "
-                          f"only; download it with `huggingface-cli download {model} config.json`)", "ValueError")
+                          f"only; download it with `hf download {model} config.json`)", "ValueError")
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
 

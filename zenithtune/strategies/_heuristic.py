@@ -265,11 +265,12 @@ class HeuristicStrategy(Strategy):
             if self._ruled_out(cand):
                 continue
             fits, mem = self._fits(cand, self.fit)
-            ratio = math.exp(mean[j])  # the prior is in model TFLOP/s; this maps it onto the evaluator's rate
+            # in the metric's own unit: the prior after the unit change (offset), times what the runs taught
+            ratio = math.exp(mean[j] - offset) ** (1 if self.direction == "maximize" else -1)
             scale = f"{ratio:.2f}" if 0.01 <= ratio < 100 else f"{ratio:.3g}"
             why = (f"{self._role(cand, best.candidate)}: predicted {self._shown(pred[j])} +-{100 * sd[j]:.0f}% "
-                   f"(prior {self._prior[at[j]]:.0f} TFLOP/s x {scale} "
-                   f"learned from {len(measured)} runs"
+                   f"(prior {self._shown(self._prior[at[j]] * math.exp(offset))} {self.metric} x {scale} "
+                   f"learned from {len(measured)} run{'' if len(measured) == 1 else 's'}"
                    f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}{learned}) could beat best "
                    f"{self._shown(target)}")
             if fits:

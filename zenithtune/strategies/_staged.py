@@ -230,14 +230,15 @@ class StagedBlackboxStrategy(Strategy):
             if probe and not self._may_probe(c):
                 continue
             desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
-            why = (f"layout {desc} measured {o.value:.1f} with {_rec(o.candidate)} (trial {o.trial_number}); "
-                   f"without that recompute's work it could beat the best by {100 * gain:.0f} %")
+            why = (f"layout {desc} measured {o.value:.4g} with {_rec(o.candidate)} (trial {o.trial_number}); with "
+                   f"{_rec(c)} it does less work and could reach {self.rate(rate):.4g}, {100 * gain:.0f} % better "
+                   f"than the best ({self.rate(incumbent):.4g})")
             if probe:
                 return Proposal(dict(c), probe_memory=True, stage=SETTINGS_STAGE,
                                 why=f"stage 2, memory probe: {why}; only the memory estimate hides "
                                 f"{_rec(c)} ({100 * self.risk_of_oom(c):.0f} % risk of running out of "
                                 f"memory), one launch tests it at its edge")
-            return Proposal(dict(c), stage=SETTINGS_STAGE, why=f"stage 2, promotion: {why}, so {_rec(c)} is measured")
+            return Proposal(dict(c), stage=SETTINGS_STAGE, why=f"stage 2, promotion: {why}, so it is measured")
         return None
 
     def _neighbour(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
