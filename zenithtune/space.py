@@ -40,6 +40,7 @@ RULE_NEEDS: dict[str, frozenset[str]] = {
     "recompute_chunk": frozenset(("pp", "rest")), "vlm_full_uniform_only": frozenset(("rest",)),
     "pipeline_layout": frozenset(("pp",)), "uneven_pipeline": frozenset(("pp",)),
     "hierarchical_cp": frozenset(("cp",)), "hybrid_cp": frozenset(("pp",)), "recompute_modules": frozenset(("rest",)),
+    "local_impl_context_parallel": frozenset(("cp",)),
 }
 MAX_GPUS = 1 << 20  # the largest world size a study plans for (today's largest runs use ~100k GPUs)
 # Defaults for parameters a preset does not search (Megatron's own defaults).
