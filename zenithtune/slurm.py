@@ -13,8 +13,9 @@ launcher object as the job's callable and drives submitit itself, so that
   - a stopped tuner (Ctrl-C, SIGTERM, SIGHUP) cancels its wave's jobs and waits until squeue no longer
     lists them; a resumed study cancels the jobs of trials whose tuner died (SIGKILL), by the ids in
     their records, before anything is launched, so no candidate ever runs twice at once.
-In the job, submitit's preemption signal (USR2, sent `signal_delay_s` before the time limit) is
-ignored: a trial is not checkpointable, Slurm's own kill at the limit ends it and says TIMEOUT.
+In the job, submitit's preemption signal (USR2, sent `signal_delay_s` before the time limit to every
+process of the job) is ignored: a trial is not checkpointable, Slurm's own kill at the limit ends it
+and says TIMEOUT.
 Multi-node trials: node k > 0 writes trial.node<k>.log / trial.node<k>.json (`node_suffix`), and the
 trial's score is the node that printed the metric (`collect`).
 """
@@ -75,10 +76,6 @@ def uses_slurm(launcher: object) -> bool:
 
 
 # --- in the job --------------------------------------------------------------------------------------
-def _time_limit_near(signum: int, frame: object) -> None:
-    print("zenithtune: Slurm says the job's time limit is near; it ends the trial there", flush=True)
-
-
 class TrialJob:
     """The callable a trial's job runs: the Hydra launcher's own job (compose the trial's config, run
     the entry function), with submitit's USR2 requeue handler replaced (see the module docstring)."""
@@ -87,7 +84,9 @@ class TrialJob:
         self.launcher = launcher
 
     def __call__(self, *args: Any) -> Any:
-        signal.signal(signal.SIGUSR2, _time_limit_near)
+        # Slurm sends submitit's USR2 to every process of the job, the trainer included, whose default is to
+        # die of it: ignored here, and so in the trainer (an ignored signal stays ignored across exec)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         return self.launcher(*args)
 
 

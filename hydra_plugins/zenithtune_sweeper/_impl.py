@@ -152,7 +152,8 @@ class StudyRunner:
         try:
             with signals.armed():  # SIGTERM / SIGHUP now take Ctrl-C's path (zenithtune.signals)
                 why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
-                self._await_others(study, liveness)
+                while self._await_others(study, liveness):  # a dead tuner's trial was failed: budget freed
+                    why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
         except KeyboardInterrupt:
             loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
@@ -180,13 +181,16 @@ class StudyRunner:
                                + (f" (still alive: {', '.join(left)})" if left else ""))
 
     @staticmethod
-    def _await_others(study: optuna.Study, liveness: zstudy.Liveness) -> None:
+    def _await_others(study: optuna.Study, liveness: zstudy.Liveness) -> bool:
         """Other workers sharing the study may still run trials: wait for them (or for their
-        workers to be found dead), so every worker reports the same, final best."""
+        workers to be found dead), so every worker reports the same, final best. True when a dead
+        worker's trial was failed meanwhile: it measured nothing, and its place in n_trials is free."""
+        freed = False
         while any(t.user_attrs.get(Attr.LAUNCHED)
                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
             time.sleep(min(1.0, liveness.interval))
-            liveness.fail_stale()
+            freed = bool(liveness.fail_stale()) or freed
+        return freed
 
     def _remember(self, study: optuna.Study, job: Job, url: str) -> None:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
@@ -279,8 +283,7 @@ class StudyRunner:
         run = slurm.collect(trial_dir) or Launched(None, log=str(trial_dir))
         run.value = None
         if kind == FailureKind.TIMEOUT.value:
-            minutes = self.config.hydra.launcher.get("timeout_min")
-            run.kind, run.reason = kind, f"Slurm's time limit ({minutes} min) ended job {end.job_id}"
+            run.kind, run.reason = kind, f"Slurm ended job {end.job_id} at its time limit ({end.state})"
         elif kind == FailureKind.CANCELLED.value:
             run.kind, run.reason = kind, f"job {end.job_id} was cancelled (scancel) before it finished"
         else:
