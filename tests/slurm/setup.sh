@@ -34,10 +34,13 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmdbd >/dev/null || ! co
     log "installing slurm-wlm, slurmdbd, munge, mariadb-server"
     export DEBIAN_FRONTEND=noninteractive
     # the packages' own init scripts must not try to start anything (no init system here)
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    ours=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && ours=1
+    fi
     apt-get update -qq
     apt-get install -y -qq slurm-wlm slurmdbd munge mariadb-server >/dev/null
-    rm -f /usr/sbin/policy-rc.d
+    [ -z "$ours" ] || rm -f /usr/sbin/policy-rc.d
 fi
 
 mkdir -p "$ETC" "$LOG" /var/spool/slurmctld /run/munge /var/run/mysqld
