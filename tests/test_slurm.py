@@ -68,7 +68,9 @@ line = (" iteration 3/3 | elapsed time per iteration (ms): 100.0 | throughput pe
         "101.0 | global batch size:     8 |")
 if what == "hang":
     time.sleep(3600)
-if what == "ok" or (what == "last_node" and node == int(os.environ.get("SLURM_NNODES", "1")) - 1):
+while what == "wait_go" and not os.path.exists(os.path.join(here, "go")):
+    time.sleep(0.1)
+if what in ("ok", "wait_go") or (what == "last_node" and node == int(os.environ.get("SLURM_NNODES", "1")) - 1):
     print(line, flush=True)
 else:
     print(f"node {node}: no metric here", flush=True)
@@ -257,6 +259,30 @@ def test_a_resumed_study_cancels_the_jobs_a_killed_tuner_left_before_their_candi
     again = second.user_attrs["slurm_jobs"][0]
     assert second.user_attrs["candidate"] == first.user_attrs["candidate"] and second.value == 101.0
     assert sacct(orphan)["end"] <= sacct(again)["start"]  # never the same candidate twice at once
+
+
+def test_a_resumed_study_records_what_a_killed_tuners_job_measured_meanwhile(tmp_path):
+    beat = ["heartbeat_interval=1", "heartbeat_grace=4"]
+    proc = zt_popen(tmp_path, ["wait_go", "ok"], "n_gpus=4", "n_trials=1", *beat)
+    try:
+        wait_for(lambda: started(tmp_path, 0) != "", 120, "the first trial's job to start")
+        orphan = started(tmp_path, 0)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    (tmp_path / "go").write_text("")  # the orphan job finishes on its own, its tuner gone
+    wait_for(lambda: alive([orphan]) == [], 120, "the orphan job to finish")
+    res = zt(tmp_path, ["wait_go", "ok"], "n_gpus=4", "n_trials=1", *beat)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (tmp_path / "started1").exists()  # the candidate did not run again
+    (dead,) = [t for t in trials(tmp_path) if t.state == TrialState.FAIL]
+    (kept,) = [t for t in trials(tmp_path) if t.state == TrialState.COMPLETE]
+    assert kept.value == 101.0 and kept.user_attrs["recovered_from"] == dead.number
+    assert kept.user_attrs["slurm_jobs"] == [orphan] and kept.params == dead.params
+    assert (f"trial {dead.number}: its tuner died; its Slurm job {orphan} finished meanwhile: its result is "
+            f"recorded as trial {kept.number}") in res.stdout
+    assert f"best: trial {kept.number} " in res.stdout
 
 
 # --- multi-node trials ----------------------------------------------------------------------------------

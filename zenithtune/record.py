@@ -53,6 +53,7 @@ class Attr:
     MEMORY_PROBE = "memory_probe"  # launched past the memory screen on purpose: the screen's reason
     SLURM_JOBS = "slurm_jobs"  # list of str: the Slurm job ids that ran it (zenithtune.slurm)
     RETRY_OF = "retry_of"  # the trial (cancelled under it) whose candidate this one runs again
+    RECOVERED_FROM = "recovered_from"  # the dead tuner's trial whose finished Slurm job this one records
 
 
 @dataclass

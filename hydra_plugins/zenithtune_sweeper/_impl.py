@@ -170,15 +170,44 @@ class StudyRunner:
         return self._finish(study, job, url, sweep_dir, progress, why)
 
     def _stale(self, study: optuna.Study, number: int) -> None:
-        """A trial of a tuner that died: kill what it left running here (its marker) and cancel its Slurm
-        jobs (the ids in its record), so the candidate never runs twice at once when it is retried."""
-        kill_leftovers(str(self.sweep_dir / f"trial_{number}"))
+        """A trial of a tuner that died: kill what it left running here (its marker); its Slurm jobs (the
+        ids in its record) are cancelled when still alive, so the candidate never runs twice at once when
+        it is retried, or, when they finished meanwhile, their measurement is recorded (`_recover`)."""
+        trial_dir = self.sweep_dir / f"trial_{number}"
+        kill_leftovers(str(trial_dir))
         trial = next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)
         jobs = [str(j) for j in (trial.user_attrs.get(Attr.SLURM_JOBS) or [])] if trial is not None else []
-        if jobs:
+        if not jobs or trial is None:
+            return
+        states = slurm.queue(jobs)
+        if any(state in slurm.ALIVE for state, _ in states.values()):
             left = slurm.cancel(jobs)
             self.progress.line(f"  trial {number}: its tuner died; cancelled its Slurm job {', '.join(jobs)}"
                                + (f" (still alive: {', '.join(left)})" if left else ""))
+            return
+        run = slurm.collect(trial_dir)
+        state = states.get(jobs[0], ("", ""))[0]
+        if run is not None and (run.value is not None or run.kind) and slurm.outcome_kind(state) is None:
+            new = self._recover(study, trial, run)
+            self.progress.line(f"  trial {number}: its tuner died; its Slurm job {', '.join(jobs)} finished "
+                               f"meanwhile: its result is recorded as trial {new}")
+
+    @staticmethod
+    def _recover(study: optuna.Study, trial: optuna.trial.FrozenTrial, run: Launched) -> int:
+        """Record what a dead tuner's finished job measured, as a new trial of the same candidate (the
+        stale one stays failed, read as interrupted); returns its number."""
+        from optuna.trial import TrialState, create_trial
+
+        facts = {Attr.LAUNCHED: True, Attr.KIND: run.kind, Attr.REASONS: [run.reason] if run.reason else None,
+                 Attr.ARGV: run.argv, Attr.ENV: run.env, Attr.LOG: run.log, Attr.DURATION: run.duration,
+                 Attr.MEASURED_GB: run.measured_gb, Attr.RESERVED_GB: run.reserved_gb,
+                 Attr.NEEDED_GB: run.needed_gb, Attr.RECOVERED_FROM: trial.number}
+        attrs = {**trial.user_attrs, **{k: v for k, v in facts.items() if v is not None}}
+        ok = run.value is not None
+        study.add_trial(create_trial(state=TrialState.COMPLETE if ok else TrialState.FAIL,
+                                     value=run.value if ok else None, params=trial.params,
+                                     distributions=trial.distributions, user_attrs=attrs))
+        return max(t.number for t in study.get_trials(deepcopy=False))
 
     @staticmethod
     def _await_others(study: optuna.Study, liveness: zstudy.Liveness) -> bool:
