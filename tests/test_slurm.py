@@ -236,7 +236,7 @@ def test_stopping_the_tuner_cancels_its_jobs(tmp_path, sig, code, said):
     stopped = launched(tmp_path)
     assert len(stopped) == 2 and {t.user_attrs["kind"] for t in stopped} == {"interrupted"}
     assert sorted(j for t in stopped for j in t.user_attrs["slurm_jobs"]) == sorted(jobs)
-    assert said in out
+    assert said in out and f"  cancelled the wave's Slurm jobs {', '.join(sorted(jobs))}" in out
 
 
 def test_a_resumed_study_cancels_the_jobs_a_killed_tuner_left_before_their_candidate_runs_again(tmp_path):

@@ -281,10 +281,19 @@ class StudyRunner:
         def waiting(reason: str) -> None:
             self.progress.waiting(reason, numbers)
 
+        jobs: list[str] = []
+
+        def submitted(number: int, job: str) -> None:
+            trials[number].trial.set_user_attr(Attr.SLURM_JOBS, [job])
+            jobs.append(job)
+
         try:
             ends = slurm.run_wave(self.launcher, batch, numbers, queue_timeout=self.conf.slurm.queue_timeout,
-                                  on_submitted=lambda n, job: trials[n].trial.set_user_attr(Attr.SLURM_JOBS, [job]),
-                                  on_queue=waiting, hint=self._request_hint())
+                                  on_submitted=submitted, on_queue=waiting, hint=self._request_hint())
+        except KeyboardInterrupt:
+            if jobs:  # run_wave cancelled them and waited until squeue no longer lists them
+                self.progress.line(f"  cancelled the wave's Slurm jobs {', '.join(jobs)}")
+            raise
         except slurm.NotStarted as err:
             for p in wave:  # nothing ran: recorded as pruned by the abandon that follows, no budget spent
                 p.trial.set_user_attr(Attr.LAUNCHED, False)
