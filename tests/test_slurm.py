@@ -163,6 +163,11 @@ def test_a_request_slurm_cannot_run_stops_at_the_first_wave_without_spending_bud
     assert all(t.state == TrialState.PRUNED for t in trials(tmp_path))
     assert "asked per trial: nodes=" in last
     assert not list(tmp_path.glob("started*"))
+    if not args:  # the GPU request dropped, the same study launches its candidates, the refused ones first
+        again = zt(tmp_path, ["ok"], "n_gpus=4", "n_trials=2", "parallel_trials=2")
+        assert again.returncode == 0, again.stderr[-2000:]
+        refused = [t.user_attrs["candidate"] for t in trials(tmp_path) if t.state == TrialState.PRUNED][:2]
+        assert [t.user_attrs["candidate"] for t in launched(tmp_path)] == refused
 
 
 def test_a_wave_waiting_in_the_queue_shows_why_and_queue_timeout_ends_the_wait(tmp_path):

@@ -31,6 +31,8 @@ from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
 from zenithtune.tuned import tuned_yaml
 
+NOT_STARTED = "not_started"  # the rule of a trial whose Slurm job never started (slurm.NotStarted)
+
 
 def _storage_error(url: str, err: BaseException) -> UserError:
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -148,7 +150,8 @@ class StudyRunner:
         progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None, used=used)
         loop = StudyLoop(job, study, callbacks=progress, max_consecutive_skips=self.max_consecutive_skips,
                          launch_batch=self._launch_wave, parallel=conf.parallel_trials, liveness=liveness)
-        loop.start(prior)
+        # A candidate whose job Slurm never started says nothing about it: proposed again after a fix
+        loop.start([o for o in prior if o.rules != [NOT_STARTED]])
         try:
             with signals.armed():  # SIGTERM / SIGHUP now take Ctrl-C's path (zenithtune.signals)
                 why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
@@ -298,6 +301,7 @@ class StudyRunner:
             for p in wave:  # nothing ran: recorded as pruned by the abandon that follows, no budget spent
                 p.trial.set_user_attr(Attr.LAUNCHED, False)
                 p.trial.set_user_attr(Attr.REASONS, [f"not launched: {err}"])
+                p.trial.set_user_attr(Attr.RULES, [NOT_STARTED])
             raise
         return [self._slurm_result(p, end) for p, end in zip(wave, ends)]
 
