@@ -339,14 +339,14 @@ class StudyLoop:
                 self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
             outcome = self._record(p, res, started)
             self.outcomes.append(outcome)
-            self.cb.result(outcome, p.n)
             if outcome.kind == FailureKind.CANCELLED.value and Attr.RETRY_OF not in p.trial.user_attrs:
                 # scancel'd under it: it measured nothing and does not count; run it once more, then let it go
                 self.retries.append((replace(p.proposal, fixed=dict(p.cand), sample=None, complete=None,
                                              why=f"retry: trial {p.number}'s Slurm job was cancelled"), p.number))
-                continue
-            self._learn(outcome)
-            self.job.strategy.tell(outcome)
+            else:
+                self._learn(outcome)
+                self.job.strategy.tell(outcome)
+            self.cb.result(outcome, p.n)
 
     def _base(self, p: Pending) -> Outcome:
         return Outcome(candidate=p.cand, state="failed", launched=True, trial_number=p.number,
