@@ -184,19 +184,95 @@ def test_four_workers_share_one_study(tmp_path, storage):
 
 
 # --- trials as Slurm jobs -----------------------------------------------------------------------------
-@pytest.mark.parametrize("n_gpus, timeout, nodes, gpus, minutes", [
-    (16, 900, 2, 8, 25), (4, None, 1, 4, 1440), (64, 60, 8, 8, 11)])
-def test_slurm_launcher_sizes_one_trial_job(n_gpus, timeout, nodes, gpus, minutes):
+@pytest.mark.parametrize("n_gpus, timeout, extra, nodes, gpus, cpus, minutes", [
+    (16, 900, [], 2, 8, 32, 25),
+    (4, None, [], 1, 4, 16, 1440),  # less than a node: n_gpus GPUs, not the node's 8
+    (64, 60, ["slurm.cpus_per_task=12"], 8, 8, 12, 11),
+    (16, 900, ["slurm.gpus=false"], 2, None, 1, 25),  # a CPU-only / GRES-less cluster: no --gpus-per-node
+    (2, None, ["gpus_per_node=1", "slurm.gpus=false", "slurm.cpus_per_task=2"], 2, None, 2, 1440)])
+def test_slurm_launcher_sizes_one_trial_job(n_gpus, timeout, extra, nodes, gpus, cpus, minutes):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install 'zenithtune[cluster]'")
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="zenithtune.conf", version_base=None):
         cfg = compose("config", overrides=["hydra/launcher=slurm", f"n_gpus={n_gpus}", "gbs=128",
-                                           f"timeout={timeout if timeout else 'null'}"], return_hydra_config=True)
+                                           f"timeout={timeout if timeout else 'null'}", *extra],
+                      return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
-    assert (launcher.nodes, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == \
-        (nodes, gpus, 1, minutes)
+    assert (launcher.nodes, launcher.gpus_per_node, launcher.tasks_per_node, launcher.cpus_per_task,
+            launcher.timeout_min) == (nodes, gpus, 1, cpus, minutes)
+
+
+@pytest.mark.parametrize("value, says", [("slurm.cpus_per_task=0", "slurm.cpus_per_task=0 must be at least 1"),
+                                         ("slurm.queue_timeout=-5", "slurm.queue_timeout=-5.0 must be > 0 seconds")])
+def test_bad_slurm_values_are_one_line(tmp_path, value, says):
+    p = zt_popen(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=1", value)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"zenithtune: error: {says}"), err
+
+
+@pytest.mark.parametrize("state, kind", [("TIMEOUT", "timeout"), ("DEADLINE", "timeout"), ("CANCELLED", "cancelled"),
+                                         ("OUT_OF_MEMORY", "crash"), ("COMPLETED", None), ("FAILED", None)])
+def test_slurms_end_state_decides_the_kind_only_where_it_knows_better(state, kind):
+    from zenithtune import slurm
+
+    assert slurm.outcome_kind(state) == kind
+
+
+def test_sbatchs_refusal_is_kept_in_its_own_words():
+    from zenithtune import slurm
+
+    err = RuntimeError("sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification\n")
+    assert slurm._sbatch_words(err) == \
+        "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification"
+
+
+def test_a_multi_node_trial_is_scored_by_the_node_that_printed_the_metric(tmp_path, monkeypatch):
+    from zenithtune import record, slurm
+    from zenithtune.record import Launched
+
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert slurm.node_suffix() == ".node1"
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert slurm.node_suffix() == ""
+    assert slurm.collect(tmp_path) is None
+    record.write_run(tmp_path / "trial.json", Launched(None, "no_metric", "no throughput line"))
+    assert slurm.collect(tmp_path).kind == "no_metric"  # type: ignore[union-attr]
+    record.write_run(tmp_path / "trial.node1.json", Launched(412.0, log=str(tmp_path / "trial.node1.log")))
+    assert slurm.collect(tmp_path).value == 412.0  # type: ignore[union-attr]
+
+
+def test_a_half_filled_wave_is_launched_when_the_proposals_run_dry():
+    """parallel_trials=4 and a strategy that keeps proposing what the wave already holds (flat TPE on a
+    small space does): the wave's one candidate runs; it is not dropped as 'used by other workers'."""
+    from hydra import compose, initialize_config_module
+
+    from zenithtune import record, settings
+    from zenithtune.job import build_job
+    from zenithtune.loop import Launched, StudyLoop
+    from zenithtune.strategies import Proposal
+    from zenithtune.strategies._base import Strategy
+
+    with initialize_config_module("zenithtune.conf"):
+        job = build_job(settings.load(compose("config", overrides=["n_gpus=8", "gbs=64", "strategy=grid"])))
+    first = next(c for c in job.space.walk() if not job.screen(c))
+
+    class Same(Strategy):
+        def ask(self) -> Proposal | None:
+            return Proposal(dict(first), why="the same again")
+
+    job.strategy = Same()
+    study = optuna.create_study(direction="maximize", sampler=job.strategy.sampler())
+    loop = StudyLoop(job, study, lambda n, cand, t: Launched(100.0 + n), max_consecutive_skips=3, parallel=4)
+    loop.start([])
+    why = loop.run(8)
+    assert why.startswith("3 proposals in a row could not be launched")
+    outcomes = record.history(study)
+    assert [(o.state, o.value) for o in record.launched(outcomes)] == [("complete", 100.0)]
+    assert all(not o.launched for o in outcomes if o.state == "pruned")
 
 
 TRAINER = '''

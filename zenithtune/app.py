@@ -22,6 +22,7 @@ from zenithtune.job import build_setting, screen_params
 from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Launched, write_run
 from zenithtune.run import FailureKind, classify, run
 from zenithtune.settings import ZenithtuneConf, build, trial_params, wrapped_command
+from zenithtune.slurm import node_suffix
 from zenithtune.space import options_for
 from zenithtune.validate import Layout, required_env
 
@@ -57,11 +58,13 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     """Run one trial: inject this config's params into the command, run it, return its score."""
     out_dir.mkdir(parents=True, exist_ok=True)
     argv, env = compose(conf)
-    log_path = out_dir / TRIAL_LOG
+    node = node_suffix()  # node k > 0 of a multi-node Slurm job: trial.node<k>.log / .json beside node 0's
+    log_path = out_dir / TRIAL_LOG.replace(".log", f"{node}.log")
+    info_path = out_dir / TRIAL_INFO.replace(".json", f"{node}.json")
     if conf.validate_in_task:  # a sweeper that cannot screen before launch drives us
         problem = screen_params(conf)
         if problem:
-            write_run(out_dir / TRIAL_INFO, Launched(None, FailureKind.INVALID_ARGS.value, problem, argv=argv, env=env))
+            write_run(info_path, Launched(None, FailureKind.INVALID_ARGS.value, problem, argv=argv, env=env))
             raise TrialFailure(FailureKind.INVALID_ARGS.value, f"not launched: {problem}")
     evaluator, memory = build(conf.evaluator), PeakMemory()
     evaluator.begin()
@@ -89,7 +92,7 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
                       measured_gb=peak / 1024.0 if peak else None, reserved_gb=evidence.get("reserved_gb"),
                       needed_gb=evidence.get("needed_gb"), argv=argv, env=env, log=str(log_path),
                       process=res.process.to_dict() if res.process else None, metric=evaluator.metric_name)
-    write_run(out_dir / TRIAL_INFO, report)
+    write_run(info_path, report)
     if res.interrupted:
         raise KeyboardInterrupt
     if failure is not None:

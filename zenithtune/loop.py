@@ -30,6 +30,9 @@ from zenithtune.strategies import Proposal
 
 __all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "StudyLoop"]
 
+# Outcomes that measured nothing: not told to the strategy, not a duplicate, not counted in n_trials.
+_NOTHING_MEASURED = (FailureKind.INTERRUPTED.value, FailureKind.CANCELLED.value)
+
 LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, candidate, timeout) -> result
 
 
@@ -84,13 +87,14 @@ class StudyLoop:
         self.waves = 0
         self._known: set[int] = set()  # trial numbers the strategy has been told about
         self._open: dict[int, optuna.Trial] = {}  # asked here, not yet told
+        self.retries: list[tuple[Proposal, int]] = []  # (candidate, trial) whose Slurm job was cancelled: run once more
 
     def start(self, prior: list[Outcome]) -> None:
         """Hand the strategy and the job what a resumed study already knows."""
         # An interrupted trial (Ctrl-C, or the tuner died) measured nothing: the strategy does not see
         # it and the duplicate check does not count it, so the candidate may be launched again.
         self._known |= {o.trial_number for o in prior if o.trial_number is not None}
-        prior = [o for o in prior if o.kind != FailureKind.INTERRUPTED.value]
+        prior = [o for o in prior if o.kind not in _NOTHING_MEASURED]
         strategy = self.job.strategy
         strategy.direction = self.job.evaluator.direction
         strategy.metric = self.job.evaluator.metric_name
@@ -116,7 +120,7 @@ class StudyLoop:
             if t.number in self._known or t.number in self._open:
                 continue
             o = record.outcome_of(t)
-            if o is None or not o.launched or o.kind == FailureKind.INTERRUPTED.value:
+            if o is None or not o.launched or o.kind in _NOTHING_MEASURED:
                 continue  # still beating elsewhere, or measured nothing
             self._known.add(t.number)
             self._learn(o)
@@ -149,9 +153,10 @@ class StudyLoop:
                 return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
             wave: list[Pending] = []
             exhausted = False
+            stop: str | None = None
             width = 1 if strategy.sequential else self.parallel
             while len(wave) < min(width, n_trials - used):
-                proposal = strategy.ask()
+                proposal, retry_of = self.retries.pop(0) if self.retries else (strategy.ask(), None)
                 if proposal is None:
                     exhausted = True
                     break
@@ -165,9 +170,9 @@ class StudyLoop:
                     self.cb.skipped(outcome)
                     skips += 1
                     if self.max_consecutive_skips and not strategy.exhaustive and skips >= self.max_consecutive_skips:
-                        self._abandon_wave(wave)
-                        return (f"{skips} proposals in a row could not be launched "
+                        stop = (f"{skips} proposals in a row could not be launched "
                                 f"(invalid, predicted OOM or already measured)")
+                        break  # the candidates already in this wave are launched first
                     continue
                 skips = 0
                 # A shared study: another worker may have launched since the count above.
@@ -177,16 +182,20 @@ class StudyLoop:
                         self._abandon_wave([Pending(trial, cand, proposal, None, 0)])
                         return f"n_trials={n_trials} launched"
                 trial.set_user_attr(Attr.LAUNCHED, True)
+                if retry_of is not None:
+                    trial.set_user_attr(Attr.RETRY_OF, retry_of)
                 strategy.pending.append(cand)  # the next ask() proposes something else
                 wave.append(Pending(trial, cand, proposal, self.job.timeouts.limit(self.durations),
                                     n=used + len(wave) + 1))
             if not wave:
-                if exhausted:
-                    return "strategy exhausted"
+                if exhausted or stop:
+                    return stop or "strategy exhausted"
                 continue
             strategy.pending.clear()
             launched += len(wave)
             self._launch_wave(wave)  # an exhausted strategy may have more to say once it knows the results
+            if stop:
+                return stop
 
     def abandon(self) -> None:
         """Close what this worker asked but did not tell (Ctrl-C, an error): launched ones are
@@ -203,6 +212,7 @@ class StudyLoop:
 
     def _abandon_wave(self, wave: list[Pending]) -> None:
         for p in wave:
+            p.trial.set_user_attr(Attr.LAUNCHED, False)
             p.trial.set_user_attr(Attr.REASONS, ["not launched: the study's budget was used by other workers"])
             self.study.tell(p.trial, state=TrialState.PRUNED)
             self._close(p.number)
@@ -300,7 +310,7 @@ class StudyLoop:
                 if t.state == TrialState.RUNNING:
                     return False
                 o = record.outcome_of(t)
-                return o is not None and (not o.launched or o.kind == FailureKind.INTERRUPTED.value)
+                return o is not None and (not o.launched or o.kind in _NOTHING_MEASURED)
         return True
 
     # --- one wave ----------------------------------------------------------------------------------
@@ -329,8 +339,13 @@ class StudyLoop:
                 self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
             outcome = self._record(p, res, started)
             self.outcomes.append(outcome)
-            self._learn(outcome)
-            self.job.strategy.tell(outcome)
+            if outcome.kind == FailureKind.CANCELLED.value and Attr.RETRY_OF not in p.trial.user_attrs:
+                # scancel'd under it: it measured nothing and does not count; run it once more, then let it go
+                self.retries.append((replace(p.proposal, fixed=dict(p.cand), sample=None, complete=None,
+                                             why=f"retry: trial {p.number}'s Slurm job was cancelled"), p.number))
+            else:
+                self._learn(outcome)
+                self.job.strategy.tell(outcome)
             self.cb.result(outcome, p.n)
 
     def _base(self, p: Pending) -> Outcome:

@@ -184,6 +184,12 @@ class Progress(Callbacks):
         self._pending = ""
         self._update(completed=n, best=f"{self.best:g}" if self.best is not None else "-")
 
+    def waiting(self, reason: str, numbers: list[int]) -> None:
+        """A wave of Slurm jobs not started yet: squeue's reason (Resources, Priority, ...)."""
+        self.line(f"  waiting in queue: {reason} (trial{'s' if len(numbers) > 1 else ''} "
+                  f"{', '.join(map(str, numbers))})")
+        self._update(description=f"waiting in queue: {reason}"[:36])
+
     def skipped(self, o: Outcome) -> None:
         self.pruned += 1
         self._update(pruned=self.pruned)

@@ -54,6 +54,9 @@ class Attr:
     WHY = "why"  # the strategy's one-line reason
     DUPLICATE_OF = "duplicate_of"
     MEMORY_PROBE = "memory_probe"  # launched past the memory screen on purpose: the screen's reason
+    SLURM_JOBS = "slurm_jobs"  # list of str: the Slurm job ids that ran it (zenithtune.slurm)
+    RETRY_OF = "retry_of"  # the trial (cancelled under it) whose candidate this one runs again
+    RECOVERED_FROM = "recovered_from"  # the dead tuner's trial whose finished Slurm job this one records
 
 
 @dataclass
@@ -89,8 +92,8 @@ class Outcome:
 
     @property
     def counts(self) -> bool:
-        """Uses up one of n_trials: launched and finished; an interrupted trial measured nothing."""
-        return self.launched and self.kind != FailureKind.INTERRUPTED.value
+        """Uses up one of n_trials: launched and finished; an interrupted or cancelled trial measured nothing."""
+        return self.launched and self.kind not in (FailureKind.INTERRUPTED.value, FailureKind.CANCELLED.value)
 
 
 @dataclass

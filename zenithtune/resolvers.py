@@ -76,9 +76,20 @@ def _nodes(n_gpus: int, gpus_per_node: int) -> int:
     return max(1, -(-int(n_gpus) // int(gpus_per_node)))
 
 
-def _node_gpus(n_gpus: int, gpus_per_node: int) -> int:
-    """GPUs to request per node: all of a node, or n_gpus when one trial needs less than a node."""
+def _node_gpus(n_gpus: int, gpus_per_node: int, gpus: Any = True) -> int | None:
+    """GPUs to request per node: all of a node, or n_gpus when one trial needs less than a node; None
+    (no --gpus-per-node at all) when slurm.gpus=false: a CPU-only or GRES-less cluster refuses any."""
+    if gpus is False or str(gpus).lower() == "false":
+        return None
     return min(int(n_gpus), int(gpus_per_node))
+
+
+def _node_cpus(cpus_per_task: Any, gpus: Any) -> int:
+    """CPU cores per task (one task per node): slurm.cpus_per_task, else 4 per requested GPU (data
+    loading workers), 1 without GPUs."""
+    if cpus_per_task not in (None, "None"):
+        return int(cpus_per_task)
+    return 4 * int(gpus) if gpus not in (None, "None") else 1
 
 
 def _job_minutes(timeout: Any, margin_min: int = 10, unlimited_min: int = 24 * 60) -> int:
@@ -92,4 +103,5 @@ def _job_minutes(timeout: Any, margin_min: int = 10, unlimited_min: int = 24 * 6
 
 OmegaConf.register_resolver("zt.nodes", _nodes, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.node_gpus", _node_gpus, replace=True, annotation_validation="off")
+OmegaConf.register_resolver("zt.node_cpus", _node_cpus, replace=True, annotation_validation="off")
 OmegaConf.register_resolver("zt.job_minutes", _job_minutes, replace=True, annotation_validation="off")

@@ -70,6 +70,7 @@ class FailureKind(str, Enum):
     BAD_METRIC = "bad_metric"  # decided by the evaluator: a metric, but not a finite positive score (0, nan, inf)
     INVALID_ARGS = "invalid_args"
     INTERRUPTED = "interrupted"
+    CANCELLED = "cancelled"  # its Slurm job was cancelled under it (scancel): measured nothing, retried once
     LOG_WRITE = "log_write"  # trial.log could not be written (full disk, read-only folder): stopped, not hung
 
 

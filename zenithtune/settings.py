@@ -29,6 +29,15 @@ TUNED_NAME = re.compile(r"(?!\.)[A-Za-z0-9_.-]+")
 
 
 @dataclass
+class SlurmConf:
+    """hydra/launcher=slurm: what a trial's job asks Slurm for, and how long a wave may wait in the queue."""
+
+    gpus: bool = True  # request GPUs (--gpus-per-node); False on CPU-only or GRES-less clusters
+    cpus_per_task: Optional[int] = None  # CPU cores per node; None = 4 per requested GPU (1 without GPUs)
+    queue_timeout: Optional[float] = None  # seconds a wave may wait in the queue; None = forever
+
+
+@dataclass
 class ZenithtuneConf:
     """Every top-level key of conf/config.yaml with its type (values and comments: config.yaml)."""
 
@@ -61,6 +70,7 @@ class ZenithtuneConf:
     save_tuned: Optional[str] = None  # also write conf/tuned/<name>.yaml
     echo: bool = MISSING  # stream each trial's output to the console
     log_max_mb: Optional[float] = None  # cap on each trial.log (head + tail kept); None = no cap
+    slurm: SlurmConf = field(default_factory=lambda: SlurmConf())  # hydra/launcher=slurm: what each job asks for
     # --- the wrapped command
     command: list[str] = MISSING
     default_command: list[str] = MISSING
@@ -133,6 +143,8 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
         raise UserError(f"{key}: {str(e).splitlines()[0]}") from None
+    if isinstance(data.get("slurm"), dict):
+        data["slurm"] = SlurmConf(**data["slurm"])
     conf = ZenithtuneConf(**data)
     check(conf)
     return conf
@@ -172,6 +184,10 @@ def check(conf: ZenithtuneConf) -> None:
     _positive(conf, "parallel_trials", "parallel_trials=4")
     _positive(conf, "heartbeat_interval", "heartbeat_interval=10")
     _positive(conf, "heartbeat_grace", "heartbeat_grace=60")
+    if conf.slurm.cpus_per_task is not None and conf.slurm.cpus_per_task < 1:
+        raise UserError(f"slurm.cpus_per_task={conf.slurm.cpus_per_task} must be at least 1 (or null: 4 per GPU)")
+    if conf.slurm.queue_timeout is not None and conf.slurm.queue_timeout <= 0:
+        raise UserError(f"slurm.queue_timeout={conf.slurm.queue_timeout} must be > 0 seconds (or null: wait forever)")
     if conf.heartbeat_grace <= conf.heartbeat_interval:
         raise UserError(f"heartbeat_grace={conf.heartbeat_grace} must be longer than heartbeat_interval="
                         f"{conf.heartbeat_interval} (e.g. 6x), or a live worker's trials would be failed as stale")

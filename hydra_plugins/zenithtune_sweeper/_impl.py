@@ -17,7 +17,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from zenithtune import record, settings, signals
+from zenithtune import record, settings, signals, slurm
 from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
@@ -30,6 +30,8 @@ from zenithtune.record import TRIAL_INFO, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
 from zenithtune.tuned import tuned_yaml
+
+NOT_STARTED = "not_started"  # the rule of a trial whose Slurm job never started (slurm.NotStarted)
 
 
 def _storage_error(url: str, err: BaseException) -> UserError:
@@ -133,25 +135,28 @@ class StudyRunner:
             raise UserError(f"cannot write the study folder {sweep_dir}: {err.strerror or err}; run from a writable "
                             f"folder or choose one (--output-dir / hydra.sweep.dir=...)") from None
         study = _open_ours(url, conf.study_name, job)
+        progress = Progress(total=conf.n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
+        self.progress, self.conf = progress, conf
         # Only trials no live worker beats for are failed (a worker sharing the study keeps its own).
         # What a killed tuner's trial left running is found by its marker (the trial dir, see app.task) and
         # killed before anything is launched, so a retried candidate never runs twice at once.
         liveness = zstudy.Liveness(study, conf.heartbeat_interval, conf.heartbeat_grace,
-                                   on_stale=lambda n: kill_leftovers(str(sweep_dir / f"trial_{n}")))
+                                   on_stale=lambda n: self._stale(study, n))
         stale = liveness.fail_stale() + zstudy.close_waiting(study)
         prior = record.history(study)
         self._remember(study, job, url)
-        progress = Progress(total=conf.n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
         best = zstudy.best(prior, job.evaluator.direction)
         used = record.budget_used(prior)
         progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None, used=used)
         loop = StudyLoop(job, study, callbacks=progress, max_consecutive_skips=self.max_consecutive_skips,
                          launch_batch=self._launch_wave, parallel=conf.parallel_trials, liveness=liveness)
-        loop.start(prior)
+        # A candidate whose job Slurm never started says nothing about it: proposed again after a fix
+        loop.start([o for o in prior if o.rules != [NOT_STARTED]])
         try:
             with signals.armed():  # SIGTERM / SIGHUP now take Ctrl-C's path (zenithtune.signals)
                 why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
-                self._await_others(study, liveness)
+                while self._await_others(study, liveness):  # a dead tuner's trial was failed: budget freed
+                    why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
         except KeyboardInterrupt:
             loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
@@ -159,18 +164,65 @@ class StudyRunner:
             stop = StudyInterrupted("")
             stop.exit_code = signals.exit_code()  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
             raise stop from None
+        except slurm.NotStarted:
+            loop.abandon()  # the wave's trials were marked not launched: pruned, no budget spent
+            progress.close()
+            raise
         finally:
             liveness.stop()
         return self._finish(study, job, url, sweep_dir, progress, why)
 
+    def _stale(self, study: optuna.Study, number: int) -> None:
+        """A trial of a tuner that died: kill what it left running here (its marker); its Slurm jobs (the
+        ids in its record) are cancelled when still alive, so the candidate never runs twice at once when
+        it is retried, or, when they finished meanwhile, their measurement is recorded (`_recover`)."""
+        trial_dir = self.sweep_dir / f"trial_{number}"
+        kill_leftovers(str(trial_dir))
+        trial = next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)
+        jobs = [str(j) for j in (trial.user_attrs.get(Attr.SLURM_JOBS) or [])] if trial is not None else []
+        if not jobs or trial is None:
+            return
+        states = slurm.queue(jobs)
+        if any(state in slurm.ALIVE for state, _ in states.values()):
+            left = slurm.cancel(jobs)
+            self.progress.line(f"  trial {number}: its tuner died; cancelled its Slurm job {', '.join(jobs)}"
+                               + (f" (still alive: {', '.join(left)})" if left else ""))
+            return
+        run = slurm.collect(trial_dir)
+        state = states.get(jobs[0], ("", ""))[0]
+        if run is not None and (run.value is not None or run.kind) and slurm.outcome_kind(state) is None:
+            new = self._recover(study, trial, run)
+            self.progress.line(f"  trial {number}: its tuner died; its Slurm job {', '.join(jobs)} finished "
+                               f"meanwhile: its result is recorded as trial {new}")
+
     @staticmethod
-    def _await_others(study: optuna.Study, liveness: zstudy.Liveness) -> None:
+    def _recover(study: optuna.Study, trial: optuna.trial.FrozenTrial, run: Launched) -> int:
+        """Record what a dead tuner's finished job measured, as a new trial of the same candidate (the
+        stale one stays failed, read as interrupted); returns its number."""
+        from optuna.trial import TrialState, create_trial
+
+        facts = {Attr.LAUNCHED: True, Attr.KIND: run.kind, Attr.REASONS: [run.reason] if run.reason else None,
+                 Attr.ARGV: run.argv, Attr.ENV: run.env, Attr.LOG: run.log, Attr.DURATION: run.duration,
+                 Attr.MEASURED_GB: run.measured_gb, Attr.RESERVED_GB: run.reserved_gb,
+                 Attr.NEEDED_GB: run.needed_gb, Attr.RECOVERED_FROM: trial.number}
+        attrs = {**trial.user_attrs, **{k: v for k, v in facts.items() if v is not None}}
+        ok = run.value is not None
+        study.add_trial(create_trial(state=TrialState.COMPLETE if ok else TrialState.FAIL,
+                                     value=run.value if ok else None, params=trial.params,
+                                     distributions=trial.distributions, user_attrs=attrs))
+        return max(t.number for t in study.get_trials(deepcopy=False))
+
+    @staticmethod
+    def _await_others(study: optuna.Study, liveness: zstudy.Liveness) -> bool:
         """Other workers sharing the study may still run trials: wait for them (or for their
-        workers to be found dead), so every worker reports the same, final best."""
+        workers to be found dead), so every worker reports the same, final best. True when a dead
+        worker's trial was failed meanwhile: it measured nothing, and its place in n_trials is free."""
+        freed = False
         while any(t.user_attrs.get(Attr.LAUNCHED)
                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
             time.sleep(min(1.0, liveness.interval))
-            liveness.fail_stale()
+            freed = bool(liveness.fail_stale()) or freed
+        return freed
 
     def _remember(self, study: optuna.Study, job: Job, url: str) -> None:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
@@ -213,6 +265,8 @@ class StudyRunner:
             # resolved here: a launcher's job process composes the config anew (its own ${zt.started:})
             overrides += [f"hydra.sweep.dir={hydra_quote(str(self.sweep_dir))}", f"hydra.sweep.subdir=trial_{p.number}"]
             batch.append(overrides)
+        if slurm.uses_slurm(self.launcher):
+            return self._slurm_wave(wave, batch)
         try:
             rets = self.launcher.launch(batch, initial_job_idx=wave[0].number)
         except KeyboardInterrupt:
@@ -220,6 +274,64 @@ class StudyRunner:
         except Exception as err:  # noqa: BLE001  a launcher that lost a job (submitit: cancelled, killed at its time limit)
             return [self._lost(p, err) for p in wave]
         return [self._result(ret) for ret in rets]
+
+    def _slurm_wave(self, wave: list[Pending], batch: list[list[str]]) -> list[Launched]:
+        """One wave as Slurm jobs (zenithtune.slurm): job ids into the records, the queue's reason on
+        screen, Slurm's end state deciding timeout / cancelled."""
+        trials = {p.number: p for p in wave}
+        numbers = [p.number for p in wave]
+
+        def waiting(reason: str) -> None:
+            self.progress.waiting(reason, numbers)
+
+        jobs: list[str] = []
+
+        def submitted(number: int, job: str) -> None:
+            trials[number].trial.set_user_attr(Attr.SLURM_JOBS, [job])
+            jobs.append(job)
+
+        try:
+            ends = slurm.run_wave(self.launcher, batch, numbers, queue_timeout=self.conf.slurm.queue_timeout,
+                                  on_submitted=submitted, on_queue=waiting, hint=self._request_hint())
+        except KeyboardInterrupt:
+            if jobs:  # run_wave cancelled them and waited until squeue no longer lists them
+                self.progress.line(f"  cancelled the wave's Slurm jobs {', '.join(jobs)}")
+            raise
+        except slurm.NotStarted as err:
+            for p in wave:  # nothing ran: recorded as pruned by the abandon that follows, no budget spent
+                p.trial.set_user_attr(Attr.LAUNCHED, False)
+                p.trial.set_user_attr(Attr.REASONS, [f"not launched: {err}"])
+                p.trial.set_user_attr(Attr.RULES, [NOT_STARTED])
+            raise
+        return [self._slurm_result(p, end) for p, end in zip(wave, ends)]
+
+    def _request_hint(self) -> str:
+        launcher = self.config.hydra.launcher
+        gpus = launcher.get("gpus_per_node")
+        return (f"asked per trial: nodes={launcher.get('nodes')}, gpus_per_node={gpus}, "
+                f"cpus_per_task={launcher.get('cpus_per_task')}; "
+                + ("slurm.gpus=false on a CPU-only or GRES-less cluster, " if gpus else "")
+                + "slurm.cpus_per_task=N, n_gpus / gpus_per_node, or hydra.launcher.partition=...")
+
+    def _slurm_result(self, p: Pending, end: slurm.Finished) -> Launched:
+        trial_dir = self.sweep_dir / f"trial_{p.number}"
+        kind = slurm.outcome_kind(end.state)
+        if kind is None and end.ret is not None:
+            run = self._result(end.ret)
+            if run.value is None:  # a multi-node trial: the metric may be another node's
+                other = slurm.collect(trial_dir)
+                run = other if other is not None and other.value is not None else run
+            return run
+        run = slurm.collect(trial_dir) or Launched(None, log=str(trial_dir))
+        run.value = None
+        if kind == FailureKind.TIMEOUT.value:
+            run.kind, run.reason = kind, f"Slurm ended job {end.job_id} at its time limit ({end.state})"
+        elif kind == FailureKind.CANCELLED.value:
+            run.kind, run.reason = kind, f"job {end.job_id} was cancelled (scancel) before it finished"
+        else:
+            run.kind = FailureKind.CRASH.value
+            run.reason = f"job {end.job_id} ended {end.state}: {end.error}"
+        return run
 
     def _lost(self, p: Pending, err: Exception) -> Launched:
         """A trial whose job returned nothing (scancel, Slurm's time limit, a node failure): what its
