@@ -98,6 +98,15 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     return score
 
 
+def _same_kind(value: Any, choice: Any) -> bool:
+    """Whether a value could be compared with a choice (a number with a number, a string with a string)."""
+    if isinstance(choice, bool) or isinstance(value, bool):
+        return isinstance(choice, bool) and isinstance(value, bool)
+    if isinstance(choice, (int, float)):
+        return isinstance(value, (int, float))
+    return type(value) is type(choice)
+
+
 def check_params(conf: ZenithtuneConf) -> None:
     """Refuse parameters (from a tuned file or a study db: untrusted) that this job's space does not
     know or that break a Megatron rule, before anything runs; a predicted OOM is only a warning (the
@@ -107,6 +116,11 @@ def check_params(conf: ZenithtuneConf) -> None:
     unknown = sorted(k for k in params if k not in st.space.params)
     if unknown:
         raise UserError(f"params.{unknown[0]} is not a parameter of this preset; it has: {', '.join(st.space.params)}")
+    for name, val in params.items():  # a value of the wrong type would reach int() in the rules
+        choices = st.space.params[name].choices
+        if val not in choices and not any(_same_kind(val, c) for c in choices):
+            raise UserError(f"params.{name}={val!r} is not a value {name} can take; it takes one of "
+                            f"{', '.join(map(str, choices))}")
     cand = st.space.normalize(params)
     broken = st.space.reasons(cand)
     structural = [b for b in broken if b[0] != "choices"]  # the rule Megatron would cite, first
