@@ -50,7 +50,11 @@ OUTPUT_CAP = 512 * 1024
 """Characters of output kept in memory (the tail), for the failure reason; the evaluator sees every line."""
 
 LINE_MAX = 64 * 1024
-"""Bytes of one line kept; the rest of a longer line is skipped (counted in the log)."""
+"""Bytes of one line kept; the rest of a longer line is skipped (counted in the log), all but its
+last :data:`LINE_TAIL` bytes, which follow as a line of their own: a trainer that appends its metric
+to a long line (a progress bar without newlines, a dump) still has it read."""
+
+LINE_TAIL = 16 * 1024
 
 LOG_MAX_MB = 50.0
 """Default cap on trial.log (MB): the first and the last half are kept."""
@@ -286,7 +290,15 @@ def _pump(fd: int, sink: _Sink) -> None:
     """Read the pipe to its end, in chunks, whatever happens downstream. Lines end at \\n, \\r\\n or
     a lone \\r; a line longer than LINE_MAX is cut there and the rest of it skipped."""
     buf = b""
-    skipping = 0  # bytes of an over-long line skipped so far
+    skipping = 0  # bytes of an over-long line past its kept head so far
+    tail = b""  # the last LINE_TAIL bytes of that line so far (they may overlap the head)
+
+    def long_line_ends(rest: bytes) -> None:
+        kept = (tail + rest)[-LINE_TAIL:]
+        skipped = max(0, skipping + len(rest) - len(kept))
+        sink.note(f"# zenithtune: {skipped} more bytes of that line skipped; its last {len(kept)} bytes follow")
+        sink.line(kept)
+
     try:
         while True:
             try:
@@ -310,25 +322,27 @@ def _pump(fd: int, sink: _Sink) -> None:
                 if skipping:
                     sink.batch(batch)
                     batch = []
-                    sink.note(f"# zenithtune: {skipping + end - start} more bytes of that line skipped")
-                    skipping = 0
+                    long_line_ends(buf[start:end])
+                    skipping, tail = 0, b""
                 else:
                     batch.append(buf[start:end])
                 start = end
             buf = buf[start:]
             if skipping:
                 skipping += len(buf)
+                tail = (tail + buf)[-LINE_TAIL:]
                 buf = b""
             elif len(buf) > LINE_MAX:
                 batch.append(buf[:LINE_MAX] + b"\n")
                 skipping = len(buf) - LINE_MAX
+                tail = buf[-LINE_TAIL:]
                 buf = b""
             if not chunk and buf:
                 batch.append(buf)
             sink.batch(batch)
             if not chunk:
                 if skipping:
-                    sink.note(f"# zenithtune: {skipping} more bytes of that line skipped")
+                    long_line_ends(b"")
                 break
     finally:
         os.close(fd)

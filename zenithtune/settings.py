@@ -234,9 +234,11 @@ def build(node: dict[str, Any]) -> Any:
                         f"(e.g. {TRUSTED_ENV}='{target.rsplit('.', 1)[0]}.*')")
     try:
         return instantiate(node, _execution_whitelist_=allowed)
-    except InstantiationException as e:
-        # A wrong or missing option of a strategy/evaluator (e.g. evaluator=regex without a pattern).
-        cause = e.__cause__ or e
+    except (InstantiationException, TypeError, ValueError, OmegaConfBaseException) as e:
+        # A wrong or missing option of a strategy/evaluator (evaluator=regex without a pattern, an
+        # unknown keyword, selector=bogus): the class's own ValueError names the key and the fix.
+        # Hydra 1.4 raises what the constructor raised; older Hydras wrap it in InstantiationException.
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
         if isinstance(cause, (TypeError, ValueError, OmegaConfBaseException)):
             raise UserError(f"{target}: {str(cause).splitlines()[0]}") from None
         raise
