@@ -87,3 +87,24 @@ def test_analyze_reads_a_study_in_a_read_only_folder(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "best: trial" in r.stdout and "3 complete" in r.stdout, r.stdout[-2000:]
     assert db.read_bytes() == before
+
+
+# --- items 3 and 4: a tuned file is small and holds plain values; nothing in it resolves -------------
+def test_a_huge_tuned_file_is_refused_before_it_is_parsed(tmp_path):
+    _tuned(tmp_path, "big", "n_gpus: 8\ngbs: 64\nparams: {tp: 2}\nresult:\n"
+           + "".join(f"  k{i}: {i}\n" for i in range(200_000)))  # 3.4 MB
+    _one_line(zt(tmp_path, "tuned=big", "--", sys.executable, FAKE, *SHAPE_ARGS), "big.yaml is 3.4 MB")
+    r = subprocess.run([sys.executable, "-m", "zenithtune.cli", "apply", "--tuned", "big", "--", sys.executable, FAKE,
+                        *SHAPE_ARGS], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "big.yaml is 3.4 MB" in r.stderr and "a tuned config holds a few parameters" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("body", ["params: {tp: '${zt.mkdir:%s}'}", "params: {tp: 2}\nresult: {study: '${zt.mkdir:%s}'}"])
+def test_a_resolver_in_a_tuned_file_never_runs(tmp_path, body):
+    made = tmp_path / "made_by_the_file"
+    _tuned(tmp_path, "mk", "n_gpus: 8\ngbs: 64\n" + body % made)
+    _one_line(zt(tmp_path, "tuned=mk", "--", sys.executable, FAKE, *SHAPE_ARGS), "holds an interpolation")
+    _one_line(zt(tmp_path, "n_gpus=8", "gbs=64", f"+params.tp=${{zt.mkdir:{made}}}", "--", sys.executable, FAKE,
+                 *SHAPE_ARGS), "a parameter value is a plain number or word, not an interpolation")
+    assert not made.exists()

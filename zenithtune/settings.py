@@ -123,6 +123,12 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
                 raise UserError(f"{key} is required, and {late[0]} came after `--` (the training command): put "
                                 f"zenithtune's values before `--`, e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- ...")
             raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
+    if "params" in cfg and OmegaConf.is_config(cfg.params):
+        # A candidate (the sweeper's, a tuned file's, a study db's) is plain values: an interpolation there
+        # came from a file, and resolving it could run a resolver with side effects (${zt.mkdir:...}).
+        found = _interpolation(OmegaConf.to_container(cfg.params, resolve=False), "params")
+        if found:
+            raise UserError(f"{found}: a parameter value is a plain number or word, not an interpolation")
     try:
         data: dict[str, Any] = {k: OmegaConf.to_container(cfg[k], resolve=True, throw_on_missing=True)
                 if OmegaConf.is_config(cfg[k]) else cfg[k] for k in cfg if k in names}
@@ -293,6 +299,22 @@ def check_overrides(overrides: list[str]) -> None:
 # other key (a `command:`, a `hydra:` node with env_set, a `defaults:` list) would silently change what
 # runs: a tuned file from someone else must only bring the tuned parameters and the job they fit.
 TUNED_KEYS = ("params", "n_gpus", "gbs", "result")
+TUNED_MAX_BYTES = 1_000_000  # a tuned config is a few hundred bytes; parsing 100 MB of YAML takes minutes
+
+
+def _interpolation(data: Any, where: str = "") -> str | None:
+    """The first value holding a ${...} interpolation, as `key: value`; None when there is none."""
+    if isinstance(data, dict):
+        items: Any = data.items()
+    elif isinstance(data, list):
+        items = enumerate(data)
+    else:
+        return f"{where}: {data}" if isinstance(data, str) and "${" in data else None
+    for k, v in items:
+        found = _interpolation(v, f"{where}.{k}" if where else str(k))
+        if found:
+            return found
+    return None
 
 
 def check_tuned_file(name: str) -> None:
@@ -306,6 +328,10 @@ def check_tuned_file(name: str) -> None:
     ours = resources.files("zenithtune.conf").joinpath("tuned").joinpath(f"{name}.yaml")
     path = local if local.is_file() else ours
     try:
+        size = path.stat().st_size if isinstance(path, Path) else len(path.read_bytes())
+        if size > TUNED_MAX_BYTES:
+            raise UserError(f"tuned={name}: {path} is {size / 1e6:.1f} MB; a tuned config holds a few parameters "
+                            f"(at most {TUNED_MAX_BYTES / 1e6:g} MB): write it again with save_tuned={name}")
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise UserError(f"tuned={name}: cannot read {path}: {str(e).splitlines()[0]}") from None
@@ -315,3 +341,8 @@ def check_tuned_file(name: str) -> None:
     if extra:
         raise UserError(f"tuned={name}: {path} also sets {', '.join(extra)}; a tuned config may only hold "
                         f"{', '.join(TUNED_KEYS)} (remove the other keys; the command comes after `--`)")
+    # Resolvers run when the config is composed: ${zt.mkdir:...} would create a folder, whatever is refused later.
+    found = _interpolation(data)
+    if found:
+        raise UserError(f"tuned={name}: {path} holds an interpolation ({found}); a tuned config holds plain "
+                        f"values only (write it again with save_tuned={name})")
