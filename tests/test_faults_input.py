@@ -108,3 +108,22 @@ def test_a_resolver_in_a_tuned_file_never_runs(tmp_path, body):
     _one_line(zt(tmp_path, "n_gpus=8", "gbs=64", f"+params.tp=${{zt.mkdir:{made}}}", "--", sys.executable, FAKE,
                  *SHAPE_ARGS), "a parameter value is a plain number or word, not an interpolation")
     assert not made.exists()
+
+
+# --- item 7: a too-short timeout before anything exists; a command longer than one environment string ---
+@pytest.mark.parametrize("arg", ["timeout=0.001", "timeout_dynamic_floor=0.04"])
+def test_a_timeout_too_short_to_start_anything_is_refused_before_the_study(tmp_path, arg):
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=2", "storage=s/study.db", "timeout_dynamic=true", arg)
+    _one_line(r, f"{arg} s is shorter than any training command takes to start: give seconds, at least 1")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_command_of_300_kb_runs(tmp_path):
+    """Each environment string is capped at 128 KiB by Linux: the command used to travel in one."""
+    notes = [f"--note-{i}=" + "x" * 1000 for i in range(300)]
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=1", "storage=s/study.db",
+           "--", sys.executable, FAKE, "--counter", "count", *SHAPE_ARGS, *notes)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "1 complete" in r.stdout and (tmp_path / "count").exists()
+    log = (tmp_path / "s" / "trial_0" / "trial.log").read_text()
+    assert notes[-1] in log.splitlines()[0]  # the whole command, as given, reached the trial

@@ -163,6 +163,9 @@ def _positive_float(conf: ZenithtuneConf, key: str, example: str, *, optional: b
                            if optional else ""))
 
 
+MIN_TIMEOUT_S = 1.0  # a trial limit below this kills every command before it prints anything
+
+
 def check(conf: ZenithtuneConf) -> None:
     """Range checks the schema's types cannot express; one line naming the key and the fix."""
     _positive(conf, "n_gpus", "n_gpus=8")
@@ -187,6 +190,12 @@ def check(conf: ZenithtuneConf) -> None:
     _positive_float(conf, "timeout", "timeout=600", optional=True)
     _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3", unit="")
     _positive_float(conf, "timeout_dynamic_floor", "timeout_dynamic_floor=60")
+    for key in ("timeout", "timeout_dynamic_floor"):
+        value = getattr(conf, key)
+        if value is not None and value < MIN_TIMEOUT_S:
+            raise UserError(f"{key}={value:g} s is shorter than any training command takes to start: give seconds, "
+                            f"at least {MIN_TIMEOUT_S:g} (e.g. {key}=600)"
+                            + ("; leave it out (null) for no limit" if key == "timeout" else ""))
     _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True, unit="GB")
     _positive_float(conf, "log_max_mb", "log_max_mb=50", optional=True, unit="MB")
     margin = conf.memory_safety_margin

@@ -152,6 +152,9 @@ class StudyRunner:
             with signals.armed():  # SIGTERM / SIGHUP now take Ctrl-C's path (zenithtune.signals)
                 why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
                 self._await_others(study, liveness)
+        except ZenithtuneError:
+            loop.abandon()  # a bad value reached a trial: the study stops with its one line, nothing left RUNNING
+            raise
         except KeyboardInterrupt:
             loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
             self._finish(study, job, url, sweep_dir, progress, "interrupted")
@@ -209,7 +212,7 @@ class StudyRunner:
         for p in wave:
             overrides = list(self.arguments) + [f"++params.{k}={value(v)}" for k, v in p.cand.items()]
             if p.limit is not None:
-                overrides.append(f"timeout={p.limit:.1f}")
+                overrides.append(f"timeout={p.limit:.6g}")  # as computed: .1f once turned 0.04 into timeout=0
             # resolved here: a launcher's job process composes the config anew (its own ${zt.started:})
             overrides += [f"hydra.sweep.dir={hydra_quote(str(self.sweep_dir))}", f"hydra.sweep.subdir=trial_{p.number}"]
             batch.append(overrides)
