@@ -26,7 +26,7 @@ from zenithtune.loop import Pending, StudyLoop
 from zenithtune.overrides import hydra_quote, key, resume_command, value
 from zenithtune.processes import kill_leftovers
 from zenithtune.progress import Progress
-from zenithtune.record import TRIAL_INFO, Attr, Launched, Outcome
+from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
 from zenithtune.tuned import tuned_yaml
@@ -252,14 +252,23 @@ class StudyRunner:
         except ZenithtuneError:
             raise  # a bad value reached the entry function: the study stops with its one line
         except Exception as err:  # noqa: BLE001  a bug or bad config inside the entry function: the message is the clue
-            run.value, run.kind, run.reason = None, FailureKind.CRASH.value, f"{type(err).__name__}: {err}"
+            out_dir = self._trial_dir(ret)
+            log = out_dir / TRIAL_LOG if out_dir else None  # hydra_main appended the traceback to it
+            where = f"; traceback in {log}" if log is not None and log.is_file() else ""
+            run.value, run.kind, run.reason = None, FailureKind.CRASH.value, f"{type(err).__name__}: {err}{where}"
+            run.log = run.log or (str(log) if log is not None else None)
         return run
 
     @staticmethod
-    def _trial_run(ret: JobReturn) -> Launched | None:
+    def _trial_dir(ret: JobReturn) -> Path | None:
         hydra_cfg = ret.hydra_cfg
         out_dir = OmegaConf.select(hydra_cfg, "hydra.runtime.output_dir") if hydra_cfg is not None else None
-        return record.read_run(Path(str(out_dir)) / TRIAL_INFO) if out_dir else None
+        return Path(str(out_dir)) if out_dir else None
+
+    @classmethod
+    def _trial_run(cls, ret: JobReturn) -> Launched | None:
+        out_dir = cls._trial_dir(ret)
+        return record.read_run(out_dir / TRIAL_INFO) if out_dir else None
 
     def _finish(self, study: optuna.Study, job: Job, url: str, sweep_dir: Path, progress: Progress,
                 why: str) -> Outcome | None:

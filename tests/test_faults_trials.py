@@ -1,0 +1,34 @@
+"""What a trial leaves behind when things go wrong around it: a stop signal right after it finished, a
+bug in the entry function, a multi-rank crash, a metric below the printed precision (issue 21)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+from test_faults import FAKE, REPO, SHAPE_ARGS, _env  # tests/ is on sys.path under pytest
+
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def _trials(db: Path) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name="zenithtune", storage=f"sqlite:///{db}").get_trials()
+
+
+# --- item 8: a bug inside the entry function keeps its traceback, and the table says where -------------
+def test_an_exception_in_the_entry_function_keeps_its_traceback_in_trial_log(tmp_path):
+    path = os.pathsep.join([str(FIXTURES), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**_env(), "PYTHONPATH": path, "ZENITHTUNE_TRUSTED_TARGETS": "buggy_evaluator.*"}
+    r = subprocess.run([sys.executable, "-m", "zenithtune", "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=1",
+                        "storage=s/study.db", "evaluator._target_=buggy_evaluator.Buggy",
+                        "--", sys.executable, FAKE, *SHAPE_ARGS], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=180)
+    log = tmp_path / "s" / "trial_0" / "trial.log"
+    assert f"crash: KeyError: 'bug'; traceback in {log}" in r.stdout, r.stdout[-3000:]
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and 'buggy_evaluator.py", line' in text, text[-3000:]
+    assert text.rstrip().endswith("KeyError: 'bug'")
+    (trial,) = _trials(tmp_path / "s" / "study.db")
+    assert trial.user_attrs["kind"] == "crash" and str(log) in trial.user_attrs["reasons"][0]
