@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 import optuna
-from test_faults import FAKE, REPO, SHAPE_ARGS, _env  # tests/ is on sys.path under pytest
+from optuna.trial import TrialState
+from test_faults import FAKE, REPO, SHAPE_ARGS, _env, zt  # tests/ is on sys.path under pytest
+
+from zenithtune.record import read_run
 
 FIXTURES = REPO / "tests" / "fixtures"
 
@@ -32,3 +35,25 @@ def test_an_exception_in_the_entry_function_keeps_its_traceback_in_trial_log(tmp
     assert text.rstrip().endswith("KeyError: 'bug'")
     (trial,) = _trials(tmp_path / "s" / "study.db")
     assert trial.user_attrs["kind"] == "crash" and str(log) in trial.user_attrs["reasons"][0]
+
+
+# --- item 1: a stop signal landing just after a trial finished keeps its result -------------------------
+def test_sigterm_just_after_a_trial_finished_keeps_its_result(tmp_path):
+    counter = tmp_path / "count"
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=3", "storage=s/study.db",
+           "--", sys.executable, FAKE, "--counter", str(counter), "--term-tuner-at", "0", *SHAPE_ARGS)
+    assert r.returncode == 143, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    trials = _trials(tmp_path / "s" / "study.db")
+    first, measured = trials[0], read_run(tmp_path / "s" / "trial_0" / "trial.json")
+    assert measured is not None and measured.value  # what the trial reported before the signal
+    assert first.state == TrialState.COMPLETE and first.value == measured.value, (first.state, first.user_attrs)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    best = tmp_path / "s" / "best.yaml"
+    assert best.is_file() and f"score: {measured.value}" in best.read_text()
+    # A resume (the same command: the launch counter is past 0 now) does not run it again.
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=2", "storage=s/study.db",
+           "--", sys.executable, FAKE, "--counter", str(counter), "--term-tuner-at", "0", *SHAPE_ARGS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    done = [t for t in _trials(tmp_path / "s" / "study.db") if t.state == TrialState.COMPLETE]
+    assert len(done) == 2 and done[0].params != done[1].params

@@ -57,7 +57,6 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     """Run one trial: inject this config's params into the command, run it, return its score."""
     out_dir.mkdir(parents=True, exist_ok=True)
     argv, env = compose(conf)
-    log_path = out_dir / TRIAL_LOG
     if conf.validate_in_task:  # a sweeper that cannot screen before launch drives us
         problem = screen_params(conf)
         if problem:
@@ -66,13 +65,23 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     evaluator, memory = build(conf.evaluator), PeakMemory()
     evaluator.begin()
     started = time.time()
+    # A stop signal is held until trial.json is written (then raised as KeyboardInterrupt): while the
+    # command runs, run() sees it and kills the trial's process group (recorded as interrupted); once the
+    # command has exited by itself, its result is kept whole.
+    with signals.deferred():
+        return _measure(conf, out_dir, argv, env, evaluator, memory, started)
+
+
+def _measure(conf: ZenithtuneConf, out_dir: Path, argv: list[str], env: dict[str, str], evaluator: Any,
+             memory: PeakMemory, started: float) -> float:
+    """Run the command, score it, write trial.json; the score, or TrialFailure / KeyboardInterrupt."""
+    log_path = out_dir / TRIAL_LOG
     # The trial dir marks every process of the trial (ZENITHTUNE_TRIAL): a resumed study finds what a
     # killed tuner left running with processes.kill_leftovers(<trial dir>).
-    with signals.armed():  # a stop signal kills this trial's process group and is recorded as interrupted
-        res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
-                  echo=(lambda line: print(line, flush=True)) if conf.echo else None,
-                  on_line=lambda line: _feed_both(evaluator, memory, line),
-                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
+    res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
+              echo=(lambda line: print(line, flush=True)) if conf.echo else None,
+              on_line=lambda line: _feed_both(evaluator, memory, line),
+              trial_id=str(out_dir), log_max_mb=conf.log_max_mb, stop=signals.pending)
     failure = classify(res)
     score = None
     if res.interrupted:
@@ -145,10 +154,12 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
         print(f"zenithtune: with {k}={v}", flush=True)
     evaluator = build(conf.evaluator)
     evaluator.begin()
-    with signals.armed():  # SIGTERM / SIGHUP kill the command's process group like Ctrl-C
+    with signals.deferred():  # SIGTERM / SIGHUP / Ctrl-C: run() kills the command's process group
         res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
                   echo=lambda line: print(line, flush=True), on_line=evaluator.feed,
-                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
+                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb, stop=signals.pending)
+        stopped = signals.pending() or res.interrupted
+        signals.acknowledge()  # reported here, not raised
     if res.interrupted:
         print(f"zenithtune: {signals.reason()}; the command's process group was stopped", file=sys.stderr, flush=True)
         return signals.exit_code()
@@ -158,4 +169,7 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
             print(f"zenithtune: score {score:g} (log: {out_dir / TRIAL_LOG})", flush=True)
         except NoMetric:
             pass
+    if stopped:  # the signal came after the command had exited: its result is shown, the exit code says stopped
+        print(f"zenithtune: {signals.reason()}", file=sys.stderr, flush=True)
+        return signals.exit_code()
     return 124 if res.timed_out else int(res.returncode or 0)

@@ -28,7 +28,7 @@ from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
 from zenithtune.strategies import Proposal
 
-__all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "StudyLoop"]
+__all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "StudyLoop", "WaveInterrupted"]
 
 LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, candidate, timeout) -> result
 
@@ -49,6 +49,15 @@ class Pending:
 
 
 LaunchBatchFn = Callable[[list[Pending]], list[Launched]]  # one wave -> one result per trial, in order
+
+
+class WaveInterrupted(KeyboardInterrupt):
+    """A stop arrived while a wave ran: what each trial had reported by then (None: nothing), in order.
+    A trial that finished before the stop keeps its result."""
+
+    def __init__(self, results: list[Launched | None]) -> None:
+        super().__init__()
+        self.results = results
 
 
 class Callbacks:
@@ -314,24 +323,34 @@ class StudyLoop:
             p = wave[0]
             self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
         started = time.time()
+        results: list[Launched | None] = [None] * len(wave)
         try:
-            results = self.launch_batch(wave)
-        except KeyboardInterrupt:
-            for p in wave:
-                outcome = replace(self._base(p), kind=FailureKind.INTERRUPTED.value, duration=time.time() - started,
-                                  reasons=[signals.reason()])
-                record.store(p.trial, outcome)
-                self.study.tell(p.trial, state=TrialState.FAIL)
-                self._close(p.number)
+            results = list(self.launch_batch(wave))
+            with signals.deferred():  # a stop signal waits until the wave is recorded
+                for p, res in zip(wave, results):
+                    assert res is not None  # launch_batch returned one result per trial
+                    if len(wave) > 1:
+                        self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
+                    outcome = self._record(p, res, started)
+                    self.outcomes.append(outcome)
+                    self._learn(outcome)
+                    self.job.strategy.tell(outcome)
+                    self.cb.result(outcome, p.n)
+        except KeyboardInterrupt as stop:
+            results = stop.results if isinstance(stop, WaveInterrupted) else results
+            with signals.deferred():  # a second signal must not cut this short either
+                for p, res in zip(wave, results):
+                    if p.number not in self._open:
+                        continue  # recorded before the stop
+                    if res is not None and (res.value is not None or res.kind not in (None, FailureKind.INTERRUPTED.value)):
+                        self.cb.result(self._record(p, res, started), p.n)  # it finished before the stop
+                        continue
+                    outcome = replace(self._base(p), kind=FailureKind.INTERRUPTED.value,
+                                      duration=time.time() - started, reasons=[signals.reason()])
+                    record.store(p.trial, outcome)
+                    self.study.tell(p.trial, state=TrialState.FAIL)
+                    self._close(p.number)
             raise
-        for p, res in zip(wave, results):
-            if len(wave) > 1:
-                self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
-            outcome = self._record(p, res, started)
-            self.outcomes.append(outcome)
-            self._learn(outcome)
-            self.job.strategy.tell(outcome)
-            self.cb.result(outcome, p.n)
 
     def _base(self, p: Pending) -> Outcome:
         return Outcome(candidate=p.cand, state="failed", launched=True, trial_number=p.number,

@@ -356,7 +356,8 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
         env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
         echo: Callable[[str], None] | None = None, grace: float = 5.0,
         on_line: Callable[[str], None] | None = None, log_max_mb: float | None = LOG_MAX_MB,
-        trial_id: str | None = None, on_start: Callable[[TrialProcess], None] | None = None) -> RunResult:
+        trial_id: str | None = None, on_start: Callable[[TrialProcess], None] | None = None,
+        stop: Callable[[], bool] | None = None) -> RunResult:
     """Run ``argv`` (no shell) to completion, timeout or Ctrl-C; never leaves a process behind.
 
     ``env`` is merged over ``os.environ``; PYTHONUNBUFFERED=1 is added unless set, so Python trainers
@@ -368,6 +369,9 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     ``on_start`` gets the :class:`TrialProcess` record right after the start: store it, so that a
     resumed study can kill what this run leaves behind if the tuner itself is killed.
     ``log_max_mb`` caps ``log_path`` (None = no cap).
+    ``stop`` is polled while the command runs: True kills it the same way (``interrupted=True``); a
+    caller that holds a stop signal instead of raising it (:func:`zenithtune.signals.deferred`) passes
+    :func:`zenithtune.signals.pending`, so a signal landing after the command exited leaves its result whole.
     """
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds, or None for no limit")
@@ -433,6 +437,8 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
                 if sink.failed.is_set():
                     sink.note("# zenithtune: stopping the command: the log cannot be written")
                     break
+                if stop is not None and stop():
+                    raise KeyboardInterrupt
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True
                     sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to every process of the "

@@ -22,7 +22,7 @@ from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
 from zenithtune.job import Job, build_job
-from zenithtune.loop import Pending, StudyLoop
+from zenithtune.loop import Pending, StudyLoop, WaveInterrupted
 from zenithtune.overrides import hydra_quote, key, resume_command, value
 from zenithtune.processes import kill_leftovers
 from zenithtune.progress import Progress
@@ -217,12 +217,17 @@ class StudyRunner:
             overrides += [f"hydra.sweep.dir={hydra_quote(str(self.sweep_dir))}", f"hydra.sweep.subdir=trial_{p.number}"]
             batch.append(overrides)
         try:
-            rets = self.launcher.launch(batch, initial_job_idx=wave[0].number)
+            try:
+                rets = self.launcher.launch(batch, initial_job_idx=wave[0].number)
+            except KeyboardInterrupt:
+                raise
+            except Exception as err:  # noqa: BLE001  a launcher that lost a job (submitit: cancelled, killed at its time limit)
+                return [self._lost(p, err) for p in wave]
+            return [self._result(ret) for ret in rets]
         except KeyboardInterrupt:
-            raise
-        except Exception as err:  # noqa: BLE001  a launcher that lost a job (submitit: cancelled, killed at its time limit)
-            return [self._lost(p, err) for p in wave]
-        return [self._result(ret) for ret in rets]
+            # What finished before the stop is in its trial.json (app.task writes it before it lets a stop through).
+            raise WaveInterrupted([record.read_run(self.sweep_dir / f"trial_{p.number}" / TRIAL_INFO)
+                                   for p in wave]) from None
 
     def _lost(self, p: Pending, err: Exception) -> Launched:
         """A trial whose job returned nothing (scancel, Slurm's time limit, a node failure): what its
