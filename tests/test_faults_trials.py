@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 from test_faults import FAKE, REPO, SHAPE_ARGS, _env, zt  # tests/ is on sys.path under pytest
 
 from zenithtune.record import read_run
+from zenithtune.run import FailureKind, classify, run
 
 FIXTURES = REPO / "tests" / "fixtures"
 
@@ -57,3 +59,23 @@ def test_sigterm_just_after_a_trial_finished_keeps_its_result(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     done = [t for t in _trials(tmp_path / "s" / "study.db") if t.state == TrialState.COMPLETE]
     assert len(done) == 2 and done[0].params != done[1].params
+
+
+# --- item 15: a multi-rank crash is explained by rank 0's error, not rank 1's echo of it ----------------
+CRASH = [sys.executable, str(FIXTURES / "torchrun_crash.py")]
+REAL_ERROR = "[rank0]: ValueError: the dataset index file /data/gpt_text_document.idx is truncated"
+
+
+@pytest.mark.parametrize("flags", [[], ["--echo-first"], ["--no-root-cause"], ["--no-root-cause", "--echo-first"]])
+def test_a_multi_rank_crash_names_the_root_cause_rank_s_error(flags):
+    res = run([*CRASH, *flags], log_path=None, timeout=60)
+    kind, reason = classify(res)  # type: ignore[misc]
+    assert kind == FailureKind.CRASH and reason.startswith(f"exit code 1: {REAL_ERROR}"), reason
+
+
+def test_a_study_shows_the_real_error_of_a_torchrun_crash(tmp_path):
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=1", "fail_fast=1", "storage=s/study.db",
+           "--", *CRASH, *SHAPE_ARGS)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"-> crash: exit code 1: {REAL_ERROR}" in r.stdout, r.stdout[-2000:]
+    assert "Connection closed by peer" not in _trials(tmp_path / "s" / "study.db")[0].user_attrs["reasons"][0]

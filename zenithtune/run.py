@@ -493,7 +493,16 @@ _EXCEPTION = re.compile(r"\b\w*(Error|Exception)\b(:|\s*$)|Segmentation fault|co
                         r"\bFATAL\b|\bfatal:|\berror:", re.IGNORECASE)
 # Launcher wrappers repeat a failure with less information than the worker's own message.
 _NOISE = re.compile(r"ChildFailedError|torch\.distributed\.elastic|To enable traceback see|"
-                    r"^\W*$|^Traceback \(most recent call last\)|^\s*(error_file|traceback)\s*:")
+                    r"^\W*$|^Traceback \(most recent call last\)|^\s*(error_file|traceback)\s*:|"
+                    r"^(\[\w+\]:\s*)?Traceback \(most recent call last\)")
+# A rank's echo of another rank's failure: its peer vanished, so its collective broke. Never the cause.
+_ECHO = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
+                   r"NCCL communicator was aborted|ProcessGroupNCCL.*(aborted|Watchdog caught)|"
+                   r"Socket Timeout|Timed out waiting .* for (the )?(store|peer)", re.IGNORECASE)
+# The worker-line prefix of a rank: "[rank0]: " (PyTorch >= 2.2) or torchrun --tee's "[default0]:".
+_RANK = re.compile(r"^\s*\[(?:rank|default)(\d+)\]:")
+# torchrun's summary names the first rank to fail: "Root Cause (first observed failure):" ... "rank : 0".
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 
 
 def _short(line: str) -> str:
@@ -521,10 +530,31 @@ def _invalid_args_reason(lines: list[str]) -> str | None:
     return next((_short(ln) for ln in lines if _DIVISIBLE.search(ln)), None)
 
 
+def _root_rank(lines: list[str]) -> int | None:
+    """The rank torchrun's ChildFailedError summary names as the root cause (first observed failure)."""
+    for k, ln in enumerate(lines):
+        if "Root Cause (first observed failure)" in ln:
+            for nxt in lines[k + 1:k + 8]:
+                m = _ROOT_RANK.match(nxt)
+                if m:
+                    return int(m.group(1))
+    return None
+
+
+def _rank_of(line: str) -> int | None:
+    m = _RANK.match(line)
+    return int(m.group(1)) if m else None
+
+
 def _last_meaningful(lines: list[str]) -> str | None:
+    """The error line that says why: in a multi-rank job, the root-cause rank's last error (torchrun's
+    summary names it), else the last error that is no echo of another rank's failure."""
     errors = [ln for ln in lines if _EXCEPTION.search(ln) and not _NOISE.search(ln)]
     if errors:
-        return _short(errors[-1])
+        root = _root_rank(lines)
+        own = [ln for ln in errors if root is not None and _rank_of(ln) == root]
+        causes = own or [ln for ln in errors if not _ECHO.search(ln)] or errors
+        return _short(causes[-1])
     rest = [ln for ln in lines if ln.strip() and not _NOISE.search(ln) and not ln.startswith("# ")]
     return _short(rest[-1]) if rest else None
 
