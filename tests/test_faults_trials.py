@@ -79,3 +79,18 @@ def test_a_study_shows_the_real_error_of_a_torchrun_crash(tmp_path):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"-> crash: exit code 1: {REAL_ERROR}" in r.stdout, r.stdout[-2000:]
     assert "Connection closed by peer" not in _trials(tmp_path / "s" / "study.db")[0].user_attrs["reasons"][0]
+
+
+# --- item 17: a metric below the printed precision stops the study at once, with the evaluator that works ---
+def test_throughput_below_the_printed_precision_stops_after_one_launch_with_the_hint(tmp_path):
+    command = ["--", sys.executable, FAKE, "--counter", "count", "--tiny", *SHAPE_ARGS]
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=10", "storage=s/study.db", *command)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len((tmp_path / "count").read_text().splitlines()) == 1  # one launch, not fail_fast=5
+    assert "zenithtune: error: all 1 launched trials failed (bad_metric: 1)" in r.stderr
+    assert "printed TFLOP/s/GPU as 0 (below the printed precision), as every candidate would: rerun with " \
+           "evaluator=iteration_time" in r.stderr, r.stderr
+    # The hint works, on the same study: scored by the iteration time, it has a best.
+    r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=3", "storage=s/study.db", "evaluator=iteration_time", *command)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "samples/s/GPU" in (tmp_path / "s" / "best.yaml").read_text()

@@ -30,7 +30,7 @@ from typing import Literal, get_args
 
 from zenithtune.run import FailureKind
 
-__all__ = ["Evaluator", "NoMetric", "BadMetric", "MegatronThroughput", "IterationTime", "SwiftSpeed", "Regex",
+__all__ = ["Evaluator", "NoMetric", "BadMetric", "below_precision", "MegatronThroughput", "IterationTime", "SwiftSpeed", "Regex",
            "select", "peak_memory_mb", "PeakMemory", "Direction", "Selector", "SELECTORS"]
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,15 @@ _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 # is no plain number, and a prefix of it (1, 12.5) is no measurement.
 _GOES_ON = re.compile(r"(?:[.,'_]|\s(?=\d{3}(?!\d)))\d")
 _TOKEN = re.compile(r"[-+]?\.?\d(?:[.,'_]?\d|\s\d{3}(?!\d))*")
+
+
+_BELOW_PRECISION = "0: below the printed precision"
+
+
+def below_precision(reason: str, metric: str) -> bool:
+    """Whether a bad_metric reason says every logged value of ``metric`` printed as 0 (a model too small
+    for the printed precision, e.g. 0.04 TFLOP/s/GPU shown as 0.0): every other candidate prints 0 too."""
+    return reason.startswith(f"{metric} was 0 in all ") and _BELOW_PRECISION in reason
 
 
 class NoMetric(Exception):
@@ -254,7 +263,7 @@ class _PatternEvaluator(Evaluator):
                      else f"{len(odd)} of {len(kept)} logged values")
             why = [text for test, text in (
                 (any(not math.isfinite(v) for v in odd), "nan/inf: the run diverged or measured nothing"),
-                (0.0 in odd, "0: below the printed precision"),
+                (0.0 in odd, _BELOW_PRECISION),
                 (any(v < 0 for v in odd), "below 0: no rate or time can be")) if test]
             raise BadMetric(f"{self.metric_name} was {shown} in {where} after warm-up ({'; '.join(why)})"
                             f"{self._bad_hint}")

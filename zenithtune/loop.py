@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from zenithtune import record, signals, traits
 from zenithtune import study as zstudy
+from zenithtune.evaluate import below_precision
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
@@ -156,6 +157,14 @@ class StudyLoop:
             # only when this run's launches reached the k-th (a resumed study is given its chance)
             if fail_fast and first_used < fail_fast <= used and not any(o.ok for o in self.measured.values()):
                 return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
+            metric = self.job.evaluator.metric_name
+            zero = fail_fast and not any(o.ok for o in self.measured.values()) and next(
+                (o for o in self.measured.values() if o.kind == FailureKind.BAD_METRIC.value
+                 and below_precision(" ".join(o.reasons), metric)), None)
+            if zero:  # the metric is below the printed precision for this model: it is for every candidate
+                return (f"trial {zero.trial_number} printed {metric} as 0 (below the printed "
+                        f"precision), as every candidate would: rerun with evaluator=iteration_time, which scores by "
+                        f"'elapsed time per iteration' (the same ranking at a fixed model and gbs)")
             wave: list[Pending] = []
             exhausted = False
             width = 1 if strategy.sequential else self.parallel

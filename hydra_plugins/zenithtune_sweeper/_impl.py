@@ -287,7 +287,8 @@ class StudyRunner:
             if launched:
                 summary = ", ".join(f"{k}: {n}" for k, n in sorted(record.kind_counts(launched).items()))
                 first_log = next((o.log for o in launched if o.log), None)
-                raise StudyFailed(f"all {len(launched)} launched trials failed ({summary}); first log: {first_log}")
+                stop = f"; {why}" if "rerun with" in why else ""  # the loop's hint (a metric below its precision)
+                raise StudyFailed(f"all {len(launched)} launched trials failed ({summary}); first log: {first_log}{stop}")
             raise StudyFailed("no candidate could be launched: every proposal was invalid or predicted to run out "
                               "of memory (see the space report above); check gpu_memory_gb, n_gpus and gbs")
         where = zstudy.where(url)
