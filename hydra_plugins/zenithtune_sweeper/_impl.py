@@ -33,6 +33,8 @@ from zenithtune.tuned import tuned_yaml
 
 
 def _storage_error(url: str, err: BaseException) -> UserError:
+    while err.__cause__ is not None:  # Optuna wraps SQLAlchemy wraps sqlite3: the innermost says what is wrong
+        err = err.__cause__
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
     return UserError(f"cannot use the study storage {zstudy.where(url)}: {first[:200]} "
                      f"(give a study.db path or an Optuna URL: sqlite:///..., postgresql://..., mysql://...)")
@@ -80,7 +82,8 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
                                  heartbeat_interval=job.conf.heartbeat_interval, grace_period=job.conf.heartbeat_grace)
     except ZenithtuneError:
         raise  # already one line (zenithtune.study says what is wrong with the storage)
-    except (sqlalchemy.exc.SQLAlchemyError, ImportError, OSError, ValueError, RuntimeError) as err:
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.OptunaError, ImportError, OSError, ValueError,
+            RuntimeError) as err:
         raise _storage_error(url, err) from None
 
 
