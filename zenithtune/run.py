@@ -373,41 +373,19 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     caller that holds a stop signal instead of raising it (:func:`zenithtune.signals.deferred`) passes
     :func:`zenithtune.signals.pending`, so a signal landing after the command exited leaves its result whole.
     """
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout={timeout} must be a positive number of seconds, or None for no limit")
-    if log_max_mb is not None and (isinstance(log_max_mb, bool) or not isinstance(log_max_mb, (int, float))
-                                   or not log_max_mb > 0):
-        raise ValueError(f"log_max_mb={log_max_mb!r} must be a positive number of MB, or null for no cap")
+    _check_limits(timeout, log_max_mb)
     marker = trial_id or uuid.uuid4().hex
-    extra = dict(env or {})
-    if "PYTHONUNBUFFERED" not in os.environ and "PYTHONUNBUFFERED" not in extra:
-        extra["PYTHONUNBUFFERED"] = "1"
-    added = _added_env(extra)
-    extra[MARKER_ENV] = marker
+    extra, added = _trial_env(env, marker)
     start = time.monotonic()
-    log: _CappedLog | None = None
-    log_error = None
-    if log_path is not None:
-        log_path = Path(log_path)
-        try:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = _CappedLog(log_path, int(log_max_mb * 1e6) if log_max_mb else None)
-        except OSError as exc:
-            log_error = f"cannot create {log_path}: {exc.strerror or exc}"
+    log, log_error = _open_log_file(log_path, log_max_mb)
+    log_path = log.path if log is not None else (Path(log_path) if log_path is not None else None)
     sink = _Sink(log, echo, on_line)
-    sink.note(f"# command: {shlex.join(argv)}")
-    sink.note("# env added: " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in added.items()) or "(none)"))
-    sink.note(f"# cwd: {Path(cwd or os.getcwd()).resolve()}")
-    sink.note(f"# started: {_dt.datetime.now().isoformat(timespec='seconds')}")
-    sink.note(f"# {MARKER_ENV}={marker}")
-    sink.note("# " + "-" * 70)
+    _header(sink, argv, added, cwd, marker)
     log_error = log_error or sink.log_error
     if log_error:  # no log, no trial: a run nobody can read back is wasted GPU time
         sink.line(f"zenithtune: not started: {log_error}\n".encode())
         return RunResult(list(argv), None, sink.output(), time.monotonic() - start, False, False, log_path,
                          log_error=log_error)
-
-    timed_out = interrupted = False
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env={**os.environ, **extra}, cwd=cwd,
@@ -420,12 +398,76 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
         return RunResult(list(argv), None, sink.output(), time.monotonic() - start, False, False, log_path)
 
     process = TrialProcess.started(marker, proc.pid)
+    reader = _start_reader(proc, sink)
+    timed_out, interrupted = _supervise(proc, reader, sink, process, deadline=None if timeout is None else start + timeout,
+                                        timeout=timeout, grace=grace, stop=stop, on_start=on_start)
+    duration = time.monotonic() - start
+    _footer(sink, log, timed_out, interrupted, proc.returncode, duration)
+    return RunResult(list(argv), proc.returncode, sink.output(), duration, timed_out, interrupted, log_path,
+                     process=process, log_error=sink.log_error, oom_line=sink.oom_line,
+                     feed_error=sink.feed_error, lines=sink.lines)
+
+
+def _check_limits(timeout: float | None, log_max_mb: float | None) -> None:
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout={timeout} must be a positive number of seconds, or None for no limit")
+    if log_max_mb is not None and (isinstance(log_max_mb, bool) or not isinstance(log_max_mb, (int, float))
+                                   or not log_max_mb > 0):
+        raise ValueError(f"log_max_mb={log_max_mb!r} must be a positive number of MB, or null for no cap")
+
+
+def _trial_env(env: dict[str, str] | None, marker: str) -> tuple[dict[str, str], dict[str, str]]:
+    """What the command's environment adds to ours (with the trial's marker), and what of it differs
+    from ours (for the log header: the marker has its own line)."""
+    extra = dict(env or {})
+    if "PYTHONUNBUFFERED" not in os.environ and "PYTHONUNBUFFERED" not in extra:
+        extra["PYTHONUNBUFFERED"] = "1"
+    added = _added_env(extra)
+    extra[MARKER_ENV] = marker
+    return extra, added
+
+
+def _open_log_file(log_path: Path | None, log_max_mb: float | None) -> tuple[_CappedLog | None, str | None]:
+    """trial.log, opened (its folder made); or why it cannot be."""
+    if log_path is None:
+        return None, None
+    log_path = Path(log_path)
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        return _CappedLog(log_path, int(log_max_mb * 1e6) if log_max_mb else None), None
+    except OSError as exc:
+        return None, f"cannot create {log_path}: {exc.strerror or exc}"
+
+
+def _header(sink: _Sink, argv: list[str], added: dict[str, str], cwd: str | os.PathLike[str] | None,
+            marker: str) -> None:
+    """The log's head: what ran, where, with what, when, and the marker that finds its processes."""
+    sink.note(f"# command: {shlex.join(argv)}")
+    sink.note("# env added: " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in added.items()) or "(none)"))
+    sink.note(f"# cwd: {Path(cwd or os.getcwd()).resolve()}")
+    sink.note(f"# started: {_dt.datetime.now().isoformat(timespec='seconds')}")
+    sink.note(f"# {MARKER_ENV}={marker}")
+    sink.note("# " + "-" * 70)
+
+
+def _start_reader(proc: subprocess.Popen[bytes], sink: _Sink) -> threading.Thread:
+    """The thread that drains the command's output into the sink until the pipe closes."""
     assert proc.stdout is not None  # stdout=PIPE
     fd = os.dup(proc.stdout.fileno())  # the reader owns its descriptor; the Popen object keeps its own
     proc.stdout.close()
     reader = threading.Thread(target=_pump, args=(fd, sink), daemon=True, name="zenithtune-output")
     reader.start()
-    deadline = None if timeout is None else start + timeout
+    return reader
+
+
+def _supervise(proc: subprocess.Popen[bytes], reader: threading.Thread, sink: _Sink, process: TrialProcess, *,
+               deadline: float | None, timeout: float | None, grace: float, stop: Callable[[], bool] | None,
+               on_start: Callable[[TrialProcess], None] | None) -> tuple[bool, bool]:
+    """Hand ``on_start`` the trial's processes, wait for the command's exit, its deadline, a stop or a
+    failed log write; then make sure every process of the trial is gone and the output read. Returns
+    (timed_out, interrupted)."""
+    timed_out = interrupted = False
+    marker = process.marker
     try:
         try:
             if on_start is not None:
@@ -433,18 +475,7 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
                     on_start(process)
                 except Exception as exc:  # not being able to record it is no reason to lose the trial
                     sink.note(f"# zenithtune: could not record the trial's processes ({exc!r})")
-            while proc.poll() is None:
-                if sink.failed.is_set():
-                    sink.note("# zenithtune: stopping the command: the log cannot be written")
-                    break
-                if stop is not None and stop():
-                    raise KeyboardInterrupt
-                if deadline is not None and time.monotonic() >= deadline:
-                    timed_out = True
-                    sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to every process of the "
-                              f"trial, SIGKILL after {grace:g} s")
-                    break
-                sink.failed.wait(0.05)
+            timed_out = _wait(proc, sink, deadline, timeout, grace, stop)
         except KeyboardInterrupt:
             interrupted = True
             sink.note("# zenithtune: interrupted (Ctrl-C): killing every process of the trial")
@@ -460,9 +491,30 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     reader.join(timeout=max(grace, 1.0))
     if reader.is_alive():
         sink.note("# zenithtune: output pipe still held by a process that is not the trial's; not waiting for it")
-    duration = time.monotonic() - start
+    return timed_out, interrupted
 
-    code = proc.returncode
+
+def _wait(proc: subprocess.Popen[bytes], sink: _Sink, deadline: float | None, timeout: float | None, grace: float,
+          stop: Callable[[], bool] | None) -> bool:
+    """Until the command exits, the log fails, ``stop`` says so (KeyboardInterrupt) or the deadline
+    passes (returns True: timed out)."""
+    while proc.poll() is None:
+        if sink.failed.is_set():
+            sink.note("# zenithtune: stopping the command: the log cannot be written")
+            return False
+        if stop is not None and stop():
+            raise KeyboardInterrupt
+        if deadline is not None and time.monotonic() >= deadline:
+            sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to every process of the "
+                      f"trial, SIGKILL after {grace:g} s")
+            return True
+        sink.failed.wait(0.05)
+    return False
+
+
+def _footer(sink: _Sink, log: _CappedLog | None, timed_out: bool, interrupted: bool, code: int | None,
+            duration: float) -> None:
+    """The log's last lines (how the run ended), then the log closed with its tail put back."""
     status = (f"timed out after {duration:.1f} s" if timed_out else
               "interrupted" if interrupted else
               f"stopped: {sink.log_error}" if sink.log_error else f"exit code {code} after {duration:.1f} s")
@@ -475,9 +527,6 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
                 log.close()
             except OSError as exc:
                 sink.log_error = f"cannot write {log.path}: {exc.strerror or exc}"
-    return RunResult(list(argv), code, sink.output(), duration, timed_out, interrupted, log_path,
-                     process=process, log_error=sink.log_error, oom_line=sink.oom_line,
-                     feed_error=sink.feed_error, lines=sink.lines)
 
 
 # ---------------------------------------------------------------------------------------------
