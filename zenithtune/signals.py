@@ -26,10 +26,12 @@ _received: int | None = None  # the last stop signal that arrived (None: none, o
 _armed = False  # inside `armed()`: a trial may be running and the study has something to save
 _deferring = 0  # depth of `deferred()` sections
 _pending = False  # a stop arrived inside a deferred section and is not raised yet
+_count = 0  # stops received (any handled signal): a caller can tell one was swallowed on its way
 
 
 def _raise(signum: int, frame: object) -> None:
-    global _received, _pending
+    global _received, _pending, _count
+    _count += 1
     if signum != signal.SIGINT:
         _received = signum
     if _deferring:
@@ -77,6 +79,12 @@ def deferred() -> Iterator[None]:
     if not _deferring and _pending:
         _pending = False
         raise KeyboardInterrupt
+
+
+def count() -> int:
+    """How many stop signals arrived so far. Code that runs a library which may swallow the
+    KeyboardInterrupt (Hydra wraps what is raised while OmegaConf resolves) compares it before and after."""
+    return _count
 
 
 def pending() -> bool:

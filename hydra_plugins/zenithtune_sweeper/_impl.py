@@ -219,15 +219,22 @@ class StudyRunner:
             # resolved here: a launcher's job process composes the config anew (its own ${zt.started:})
             overrides += [f"hydra.sweep.dir={hydra_quote(str(self.sweep_dir))}", f"hydra.sweep.subdir=trial_{p.number}"]
             batch.append(overrides)
+        stops = signals.count()
         try:
             try:
                 rets = self.launcher.launch(batch, initial_job_idx=wave[0].number)
             except KeyboardInterrupt:
                 raise
             except Exception as err:  # noqa: BLE001  a launcher that lost a job (submitit: cancelled, killed at its time limit)
+                if signals.count() != stops:  # a stop while Hydra composed the job, wrapped into its own error
+                    raise KeyboardInterrupt from None
                 return [self._lost(p, err) for p in wave]
-            return [self._result(ret) for ret in rets]
+            results = [self._result(ret) for ret in rets]
+            if signals.count() != stops:  # a stop that did not come through as KeyboardInterrupt: honour it now
+                raise KeyboardInterrupt
+            return results
         except KeyboardInterrupt:
+            signals.acknowledge()  # delivered here
             # What finished before the stop is in its trial.json (app.task writes it before it lets a stop through).
             raise WaveInterrupted([record.read_run(self.sweep_dir / f"trial_{p.number}" / TRIAL_INFO)
                                    for p in wave]) from None
