@@ -213,6 +213,40 @@ def _iteration_time(tmp: Path) -> str | None:
     return None if got == 16.0 else f"got {got}"
 
 
+# --- #21: numbers with separators, a metric at the end of a long line, a multi-rank crash's reason ------
+
+def _separated(value: str) -> Callable[[Path], str | None]:
+    def check(tmp: Path) -> str | None:
+        _, got = scored(MegatronThroughput(), ["tflops=100.0", f"tflops={value}", "tflops=100.0"], tmp)
+        if not isinstance(got, tuple) or got[0] is not FailureKind.BAD_METRIC or repr(value) not in got[1]:
+            return f"got {got} (a prefix of {value!r} was read as a score)"
+        return None
+    return check
+
+
+for _value in ("1,234.5", "1 234", "12.5.3"):
+    case(f"throughput printed as {_value}", "#21.2")(_separated(_value))
+
+
+@case("a metric at the end of a 3 MB line, no final newline", "#21.5")
+def _metric_after_long_line(tmp: Path) -> str | None:
+    ev = MegatronThroughput()
+    code = "import sys; sys.stdout.write('x' * 3_000_000 + ' throughput per GPU (TFLOP/s/GPU): 123.4 |')"
+    res = run([sys.executable, "-c", code], log_path=tmp / "trial.log", timeout=120, on_line=ev.feed)
+    try:
+        score = ev.result()
+    except NoMetric as e:
+        return f"exit {res.returncode}: {e.kind.value}: {e.reason[:80]}"
+    return None if score == 123.4 else f"score {score}"
+
+
+@case("torchrun crash: rank 0's error, not rank 1's gloo echo", "#21.15")
+def _root_cause(tmp: Path) -> str | None:
+    res = run([sys.executable, str(FIXTURES / "torchrun_crash.py")], log_path=tmp / "trial.log", timeout=60)
+    got = classify(res)
+    return None if got is not None and "[rank0]: ValueError" in got[1] else f"got {got}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-k", default="", help="only cases whose name contains this")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -325,3 +326,32 @@ def test_yaml_instantiates(name: str, overrides: dict, cls: type, output: str, e
 def test_all_selectors_listed() -> None:
     assert SELECTORS == ("last", "mean", "median", "harmonic")
     assert all(math.isfinite(select([1.0, 2.0], s)) for s in SELECTORS)  # type: ignore[arg-type]
+
+
+# --- issue 21 item 2: a number with separators is read whole or refused, never cut to a prefix --------
+MEGATRON_LINE = (" iteration 3/ 10 | elapsed time per iteration (ms): {ms} | throughput per GPU (TFLOP/s/GPU): {tf} |"
+                 " global batch size: 64 |")
+
+
+@pytest.mark.parametrize("printed", ["1,234.5", "1 234", "12.5.3", "1_000", "1'234"])
+@pytest.mark.parametrize("make, line", [
+    (MegatronThroughput, MEGATRON_LINE.format(ms="100.0", tf="{}")),
+    (lambda: IterationTime(gbs=64, n_gpus=8, skip_first=0), MEGATRON_LINE.format(ms="{}", tf="400.0")),
+    (lambda: SwiftSpeed(per_interval=False), "{{'loss': 1.0, 'train_speed(s/it)': {}, 'iteration': '3/10'}}"),
+    (lambda: Regex(r"loss: ([\d.,' _]+\d)"), "loss: {}"),
+])
+def test_a_number_with_separators_is_bad_metric_not_its_prefix(make, line, printed):
+    ev = make()
+    with pytest.raises(BadMetric, match=re.escape(f"printed as {printed!r} (output line 2) is not a plain number")):
+        ev.evaluate(line.format("100.0") + "\n" + line.format(printed))
+    assert ev.evaluate(line.format("100.0")) > 0  # a plain number still scores
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("throughput per GPU (TFLOP/s/GPU): 512.3 | global batch size: 64 |", 512.3),
+    ("throughput per GPU (TFLOP/s/GPU): 512.3, 12 tokens", 512.3),  # a comma then a space ends the number
+    ("throughput per GPU (TFLOP/s/GPU): 5e2 |", 500.0),
+    ("throughput per GPU (TFLOP/s/GPU): 512.3 1234567", 512.3),  # not a group of three digits
+])
+def test_plain_numbers_next_to_punctuation_still_score(line, expected):
+    assert MegatronThroughput().evaluate(line) == expected

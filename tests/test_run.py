@@ -238,7 +238,7 @@ def test_a_huge_line_without_newline_takes_no_memory() -> None:
     out = subprocess.run([sys.executable, "-c", LONG_LINE_TUNER, sys.executable, PRINTER, "tflops=1.0",
                           "longline=300e6", "tflops=2.0"], capture_output=True, text=True, check=True).stdout
     rss_mb, longest, lines, code = map(int, out.split())
-    assert code == 0 and lines == 3
+    assert code == 0 and lines == 4  # the two metric lines, the long line's head and its last LINE_TAIL bytes
     assert longest <= 64 * 1024
     assert rss_mb < 250, f"the tuner grew to {rss_mb} MB reading a 300 MB line"  # not O(line): 1.7 GB before
 
@@ -398,3 +398,18 @@ def test_command_problem(tmp_path: Path) -> None:
     assert command_problem(["./pretrain.sh"], cwd=tmp_path) is None
     assert "no such file" in command_problem(["./missing.sh"], cwd=tmp_path)
     assert "is a directory" in command_problem([str(tmp_path)])
+
+
+@pytest.mark.parametrize("size, newline", [(100_000, ""), (100_000, "\n"), (3_000_000, ""), (3_000_000, "\n")])
+def test_a_metric_at_the_end_of_a_long_line_is_read(tmp_path, size, newline) -> None:
+    """Issue 21 item 5: a line past LINE_MAX used to lose its end, and with it a metric printed there."""
+    from zenithtune.evaluate import MegatronThroughput
+
+    ev = MegatronThroughput()
+    code = f"import sys; sys.stdout.write('x' * {size} + ' throughput per GPU (TFLOP/s/GPU): 123.4 |' + {newline!r})"
+    res = run([sys.executable, "-c", code], log_path=tmp_path / "trial.log", timeout=60, on_line=ev.feed)
+    assert res.returncode == 0 and ev.result() == 123.4
+    if size > 1_000_000:  # (a line that ends within a read or two is kept whole)
+        log = (tmp_path / "trial.log").read_bytes()
+        assert b"more bytes of that line skipped; its last 16384 bytes follow" in log
+        assert len(log) < 64 * 1024 + 16 * 1024 + 2000  # the middle of the line is not kept

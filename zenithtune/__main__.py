@@ -5,14 +5,12 @@ handed to the config through the environment (see zenithtune.resolvers); the res
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 from zenithtune.errors import ZenithtuneError, report
 from zenithtune.overrides import hydra_quote, key, split_command, unquote
-from zenithtune.resolvers import COMMAND_ENV
+from zenithtune.resolvers import export_command
 
 
 def _search_path_override(hydra_args: list[str]) -> list[str]:
@@ -59,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             print("zenithtune: error: nothing after `--`: give the training command, "
                   "e.g. -- torchrun --nproc-per-node 8 pretrain_gpt.py ...", file=sys.stderr)
             return 2
-        os.environ[COMMAND_ENV] = json.dumps(command)
+        export_command(command)
     try:
         from zenithtune.settings import check_overrides
 

@@ -69,13 +69,23 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     evaluator, memory = build(conf.evaluator), PeakMemory()
     evaluator.begin()
     started = time.time()
+    # A stop signal is held until trial.json is written (then raised as KeyboardInterrupt): while the
+    # command runs, run() sees it and kills the trial's process group (recorded as interrupted); once the
+    # command has exited by itself, its result is kept whole.
+    with signals.deferred():
+        return _measure(conf, out_dir, argv, env, evaluator, memory, started, log_path, info_path)
+
+
+def _measure(conf: ZenithtuneConf, out_dir: Path, argv: list[str], env: dict[str, str], evaluator: Any,
+             memory: PeakMemory, started: float, log_path: Path, info_path: Path) -> float:
+    """Run the command, score it, write log_path and info_path (trial.log / trial.json, or node k's);
+    the score, or TrialFailure / KeyboardInterrupt."""
     # The trial dir marks every process of the trial (ZENITHTUNE_TRIAL): a resumed study finds what a
     # killed tuner left running with processes.kill_leftovers(<trial dir>).
-    with signals.armed():  # a stop signal kills this trial's process group and is recorded as interrupted
-        res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
-                  echo=(lambda line: print(line, flush=True)) if conf.echo else None,
-                  on_line=lambda line: _feed_both(evaluator, memory, line),
-                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
+    res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
+              echo=(lambda line: print(line, flush=True)) if conf.echo else None,
+              on_line=lambda line: _feed_both(evaluator, memory, line),
+              trial_id=str(out_dir), log_max_mb=conf.log_max_mb, stop=signals.pending)
     failure = classify(res)
     score = None
     if res.interrupted:
@@ -101,6 +111,15 @@ def task(conf: ZenithtuneConf, out_dir: Path) -> float:
     return score
 
 
+def _same_kind(value: Any, choice: Any) -> bool:
+    """Whether a value could be compared with a choice (a number with a number, a string with a string)."""
+    if isinstance(choice, bool) or isinstance(value, bool):
+        return isinstance(choice, bool) and isinstance(value, bool)
+    if isinstance(choice, (int, float)):
+        return isinstance(value, (int, float))
+    return type(value) is type(choice)
+
+
 def check_params(conf: ZenithtuneConf) -> None:
     """Refuse parameters (from a tuned file or a study db: untrusted) that this job's space does not
     know or that break a Megatron rule, before anything runs; a predicted OOM is only a warning (the
@@ -110,6 +129,11 @@ def check_params(conf: ZenithtuneConf) -> None:
     unknown = sorted(k for k in params if k not in st.space.params)
     if unknown:
         raise UserError(f"params.{unknown[0]} is not a parameter of this preset; it has: {', '.join(st.space.params)}")
+    for name, val in params.items():  # a value of the wrong type would reach int() in the rules
+        choices = st.space.params[name].choices
+        if val not in choices and not any(_same_kind(val, c) for c in choices):
+            raise UserError(f"params.{name}={val!r} is not a value {name} can take; it takes one of "
+                            f"{', '.join(map(str, choices))}")
     cand = st.space.normalize(params)
     broken = st.space.reasons(cand)
     structural = [b for b in broken if b[0] != "choices"]  # the rule Megatron would cite, first
@@ -134,10 +158,12 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
         print(f"zenithtune: with {k}={v}", flush=True)
     evaluator = build(conf.evaluator)
     evaluator.begin()
-    with signals.armed():  # SIGTERM / SIGHUP kill the command's process group like Ctrl-C
+    with signals.deferred():  # SIGTERM / SIGHUP / Ctrl-C: run() kills the command's process group
         res = run(argv, log_path=out_dir / TRIAL_LOG, timeout=conf.timeout, env=env,
                   echo=lambda line: print(line, flush=True), on_line=evaluator.feed,
-                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb)
+                  trial_id=str(out_dir), log_max_mb=conf.log_max_mb, stop=signals.pending)
+        stopped = signals.pending() or res.interrupted
+        signals.acknowledge()  # reported here, not raised
     if res.interrupted:
         print(f"zenithtune: {signals.reason()}; the command's process group was stopped", file=sys.stderr, flush=True)
         return signals.exit_code()
@@ -147,4 +173,7 @@ def single_run(conf: ZenithtuneConf, out_dir: Path) -> int:
             print(f"zenithtune: score {score:g} {evaluator.metric_name} (log: {out_dir / TRIAL_LOG})", flush=True)
         except NoMetric:
             pass
+    if stopped:  # the signal came after the command had exited: its result is shown, the exit code says stopped
+        print(f"zenithtune: {signals.reason()}", file=sys.stderr, flush=True)
+        return signals.exit_code()
     return 124 if res.timed_out else int(res.returncode or 0)

@@ -30,7 +30,7 @@ from typing import Literal, get_args
 
 from zenithtune.run import FailureKind
 
-__all__ = ["Evaluator", "NoMetric", "BadMetric", "MegatronThroughput", "IterationTime", "SwiftSpeed", "Regex",
+__all__ = ["Evaluator", "NoMetric", "BadMetric", "below_precision", "MegatronThroughput", "IterationTime", "SwiftSpeed", "Regex",
            "select", "peak_memory_mb", "PeakMemory", "Direction", "Selector", "SELECTORS"]
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,19 @@ Direction = Literal["maximize", "minimize"]
 Selector = Literal["last", "mean", "median", "harmonic"]
 SELECTORS: tuple[str, ...] = get_args(Selector)
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+# A number that goes on past what the pattern matched (1,234.5 / 1 234 / 12.5.3 / 1_000): the token
+# is no plain number, and a prefix of it (1, 12.5) is no measurement.
+_GOES_ON = re.compile(r"(?:[.,'_]|\s(?=\d{3}(?!\d)))\d")
+_TOKEN = re.compile(r"[-+]?\.?\d(?:[.,'_]?\d|\s\d{3}(?!\d))*")
+
+
+_BELOW_PRECISION = "0: below the printed precision"
+
+
+def below_precision(reason: str, metric: str) -> bool:
+    """Whether a bad_metric reason says every logged value of ``metric`` printed as 0 (a model too small
+    for the printed precision, e.g. 0.04 TFLOP/s/GPU shown as 0.0): every other candidate prints 0 too."""
+    return reason.startswith(f"{metric} was 0 in all ") and _BELOW_PRECISION in reason
 
 
 class NoMetric(Exception):
@@ -187,19 +200,36 @@ class _PatternEvaluator(Evaluator):
         self._values = array("d")  # 8 bytes a value: flat even for a million logged intervals
         self._lines = 0
         self._not_number: str | None = None
+        self._cut: tuple[str, int] | None = None  # the first number with separators, and its line
 
     def feed(self, line: str) -> None:
         self._lines += 1
         for m in self._pattern.finditer(line):
-            self._add(m, line)
+            if self._whole(m, line, self._group):
+                self._add(m, line)
+
+    def _whole(self, m: re.Match[str], line: str, group: int | str) -> bool:
+        """Whether the captured number is the whole token on the line; a number that goes on (a
+        separator, a second decimal point) is remembered and refused as bad_metric by result()."""
+        text, start, end = m.group(group), m.start(group), m.end(group)
+        if text is None or end != m.end() or not _GOES_ON.match(line, end):
+            return True
+        if self._cut is None:
+            token = _TOKEN.match(line, start)
+            self._cut = ((token.group() if token else text).strip(), self._lines)
+        return False
 
     def _add(self, m: re.Match[str], line: str) -> None:
         text = m.group(self._group)
         try:
+            if "_" in (text or ""):  # float() reads 1_000 as 1000; the built-in patterns refuse it: so do we
+                raise ValueError(text)
             self._values.append(float(text))
         except (TypeError, ValueError):
             if self._not_number is None:
                 self._not_number = text
+            if self._cut is None and text and re.fullmatch(r"[-+]?[\d.,'_ ]*\d[\d.,'_ ]*", text):
+                self._cut = (text, self._lines)  # the user's group captured separators: no number either
 
     def values(self, output: str) -> list[float]:
         """Every value the pattern finds in a whole output, in order of appearance."""
@@ -216,6 +246,11 @@ class _PatternEvaluator(Evaluator):
 
     def _kept(self, values: Sequence[float]) -> list[float]:
         """The values after warm-up; BadMetric when any of them is no measurement."""
+        if self._cut is not None:
+            token, line = self._cut
+            raise BadMetric(f"{self.metric_name} printed as {token!r} (output line {line}) is not a plain number "
+                            f"(a thousands separator or a second decimal point?): zenithtune reads the whole "
+                            f"number or none of it; print plain numbers, e.g. 1234.5")
         if not values:
             raise self._no_values()
         if self.skip_first >= len(values):
@@ -228,7 +263,7 @@ class _PatternEvaluator(Evaluator):
                      else f"{len(odd)} of {len(kept)} logged values")
             why = [text for test, text in (
                 (any(not math.isfinite(v) for v in odd), "nan/inf: the run diverged or measured nothing"),
-                (0.0 in odd, "0: below the printed precision"),
+                (0.0 in odd, _BELOW_PRECISION),
                 (any(v < 0 for v in odd), "below 0: no rate or time can be")) if test]
             raise BadMetric(f"{self.metric_name} was {shown} in {where} after warm-up ({'; '.join(why)})"
                             f"{self._bad_hint}")
@@ -288,8 +323,10 @@ class IterationTime(_PatternEvaluator):
         self.metric_name = "tokens/s/GPU" if seq_length else "samples/s/GPU"
 
     def _add(self, m: re.Match[str], line: str) -> None:
-        ms = float(m.group(1))
         batch = self._GBS.search(line)
+        if batch is not None and not self._whole(batch, line, 1):
+            return
+        ms = float(m.group(1))
         samples = int(batch.group(1)) if batch else self.gbs
         # 0 ms is no measurement: it becomes inf and is reported as a bad metric
         rate = samples / (ms / 1000.0) / self.n_gpus if ms > 0 else (math.inf if ms == 0 else ms)
@@ -329,7 +366,7 @@ class SwiftSpeed(_PatternEvaluator):
     def feed(self, line: str) -> None:
         self._lines += 1
         m = self._pattern.search(line)
-        if not m:
+        if not m or not self._whole(m, line, 2):
             return
         speed = float(m.group(2))
         if speed <= 0 or not math.isfinite(speed):

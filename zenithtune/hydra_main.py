@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from zenithtune import app, settings
 from zenithtune.errors import ZenithtuneError, report
+from zenithtune.record import TRIAL_LOG
 
 _exit_code = 0
 
@@ -28,12 +29,32 @@ def _hydra_task(cfg: DictConfig) -> float | None:
     out_dir = Path(hc.runtime.output_dir)
     if hc.mode == RunMode.MULTIRUN:
         # A trial launched by a sweeper: a bad value is the trial's failure, reported by the sweeper.
-        return app.task(settings.load(cfg), out_dir)
+        try:
+            return app.task(settings.load(cfg), out_dir)
+        except (app.TrialFailure, ZenithtuneError):
+            raise
+        except Exception as err:  # a bug (ours, or a user's evaluator): its traceback goes where the trial's output is
+            keep_traceback(err, out_dir / TRIAL_LOG)
+            raise
     try:
         _exit_code = app.single_run(settings.load(cfg), out_dir)
     except ZenithtuneError as e:
         _exit_code = report(e)
     return None
+
+
+def keep_traceback(err: BaseException, log: Path) -> None:
+    """Append an exception's traceback to the trial's log: the study's table shows one line, this says
+    where it came from. Never raises (a full disk must not hide the original error)."""
+    import traceback
+
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a", encoding="utf-8") as f:
+            f.write("# zenithtune: the entry function failed (a bug in zenithtune or in the evaluator); traceback:\n")
+            f.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+    except OSError:
+        pass
 
 
 def run_hydra(args: list[str]) -> int:

@@ -23,12 +23,13 @@ from optuna.trial import TrialState
 
 from zenithtune import record, signals, traits
 from zenithtune import study as zstudy
+from zenithtune.evaluate import below_precision
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
 from zenithtune.strategies import Proposal
 
-__all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "StudyLoop"]
+__all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "StudyLoop", "WaveInterrupted"]
 
 # Outcomes that measured nothing: not told to the strategy, not a duplicate, not counted in n_trials.
 _NOTHING_MEASURED = (FailureKind.INTERRUPTED.value, FailureKind.CANCELLED.value)
@@ -52,6 +53,15 @@ class Pending:
 
 
 LaunchBatchFn = Callable[[list[Pending]], list[Launched]]  # one wave -> one result per trial, in order
+
+
+class WaveInterrupted(KeyboardInterrupt):
+    """A stop arrived while a wave ran: what each trial had reported by then (None: nothing), in order.
+    A trial that finished before the stop keeps its result."""
+
+    def __init__(self, results: list[Launched | None]) -> None:
+        super().__init__()
+        self.results = results
 
 
 class Callbacks:
@@ -151,6 +161,14 @@ class StudyLoop:
             # only when this run's launches reached the k-th (a resumed study is given its chance)
             if fail_fast and first_used < fail_fast <= used and not any(o.ok for o in self.measured.values()):
                 return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
+            metric = self.job.evaluator.metric_name
+            zero = fail_fast and not any(o.ok for o in self.measured.values()) and next(
+                (o for o in self.measured.values() if o.kind == FailureKind.BAD_METRIC.value
+                 and below_precision(" ".join(o.reasons), metric)), None)
+            if zero:  # the metric is below the printed precision for this model: it is for every candidate
+                return (f"trial {zero.trial_number} printed {metric} as 0 (below the printed "
+                        f"precision), as every candidate would: rerun with evaluator=iteration_time, which scores by "
+                        f"'elapsed time per iteration' (the same ranking at a fixed model and gbs)")
             wave: list[Pending] = []
             exhausted = False
             stop: str | None = None
@@ -324,29 +342,39 @@ class StudyLoop:
             p = wave[0]
             self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
         started = time.time()
+        results: list[Launched | None] = [None] * len(wave)
         try:
-            results = self.launch_batch(wave)
-        except KeyboardInterrupt:
-            for p in wave:
-                outcome = replace(self._base(p), kind=FailureKind.INTERRUPTED.value, duration=time.time() - started,
-                                  reasons=[signals.reason()])
-                record.store(p.trial, outcome)
-                self.study.tell(p.trial, state=TrialState.FAIL)
-                self._close(p.number)
+            results = list(self.launch_batch(wave))
+            with signals.deferred():  # a stop signal waits until the wave is recorded
+                for p, res in zip(wave, results):
+                    assert res is not None  # launch_batch returned one result per trial
+                    if len(wave) > 1:
+                        self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
+                    outcome = self._record(p, res, started)
+                    self.outcomes.append(outcome)
+                    if outcome.kind == FailureKind.CANCELLED.value and Attr.RETRY_OF not in p.trial.user_attrs:
+                        # scancel'd under it: it measured nothing and does not count; run it once more, then let it go
+                        self.retries.append((replace(p.proposal, fixed=dict(p.cand), sample=None, complete=None,
+                                                     why=f"retry: trial {p.number}'s Slurm job was cancelled"), p.number))
+                    else:
+                        self._learn(outcome)
+                        self.job.strategy.tell(outcome)
+                    self.cb.result(outcome, p.n)
+        except KeyboardInterrupt as stop:
+            results = stop.results if isinstance(stop, WaveInterrupted) else results
+            with signals.deferred():  # a second signal must not cut this short either
+                for p, res in zip(wave, results):
+                    if p.number not in self._open:
+                        continue  # recorded before the stop
+                    if res is not None and (res.value is not None or res.kind not in (None, FailureKind.INTERRUPTED.value)):
+                        self.cb.result(self._record(p, res, started), p.n)  # it finished before the stop
+                        continue
+                    outcome = replace(self._base(p), kind=FailureKind.INTERRUPTED.value,
+                                      duration=time.time() - started, reasons=[signals.reason()])
+                    record.store(p.trial, outcome)
+                    self.study.tell(p.trial, state=TrialState.FAIL)
+                    self._close(p.number)
             raise
-        for p, res in zip(wave, results):
-            if len(wave) > 1:
-                self.cb.launching(p.number, p.cand, p.proposal.why, p.n)
-            outcome = self._record(p, res, started)
-            self.outcomes.append(outcome)
-            if outcome.kind == FailureKind.CANCELLED.value and Attr.RETRY_OF not in p.trial.user_attrs:
-                # scancel'd under it: it measured nothing and does not count; run it once more, then let it go
-                self.retries.append((replace(p.proposal, fixed=dict(p.cand), sample=None, complete=None,
-                                             why=f"retry: trial {p.number}'s Slurm job was cancelled"), p.number))
-            else:
-                self._learn(outcome)
-                self.job.strategy.tell(outcome)
-            self.cb.result(outcome, p.n)
 
     def _base(self, p: Pending) -> Outcome:
         return Outcome(candidate=p.cand, state="failed", launched=True, trial_number=p.number,

@@ -16,12 +16,30 @@ from typing import Any
 from omegaconf import OmegaConf
 
 COMMAND_ENV = "ZENITHTUNE_COMMAND"
+# Linux refuses to start a process with any one environment string over 128 KiB (MAX_ARG_STRLEN), so a
+# long command is split over ZENITHTUNE_COMMAND, ZENITHTUNE_COMMAND_1, _2, ... of at most this many bytes.
+_ENV_PIECE = 100_000
+
+
+def export_command(command: list[str], environ: Any = os.environ) -> None:
+    """Put the command after `--` into the environment, for this process and every job a launcher starts."""
+    raw = json.dumps(command)  # ASCII: json escapes the rest, so characters are bytes
+    for key in [k for k in environ if k == COMMAND_ENV or k.startswith(COMMAND_ENV + "_")]:
+        if key == COMMAND_ENV or key[len(COMMAND_ENV) + 1:].isdigit():
+            del environ[key]
+    pieces = [raw[i:i + _ENV_PIECE] for i in range(0, len(raw), _ENV_PIECE)] or [raw]
+    for n, piece in enumerate(pieces):
+        environ[COMMAND_ENV if n == 0 else f"{COMMAND_ENV}_{n}"] = piece
 
 
 def _command(default: Any = None) -> Any:
     raw = os.environ.get(COMMAND_ENV)
     if raw is None:
         return default
+    n = 1
+    while f"{COMMAND_ENV}_{n}" in os.environ:
+        raw += os.environ[f"{COMMAND_ENV}_{n}"]
+        n += 1
     return json.loads(raw)
 
 

@@ -51,7 +51,11 @@ OUTPUT_CAP = 512 * 1024
 """Characters of output kept in memory (the tail), for the failure reason; the evaluator sees every line."""
 
 LINE_MAX = 64 * 1024
-"""Bytes of one line kept; the rest of a longer line is skipped (counted in the log)."""
+"""Bytes of one line kept; the rest of a longer line is skipped (counted in the log), all but its
+last :data:`LINE_TAIL` bytes, which follow as a line of their own: a trainer that appends its metric
+to a long line (a progress bar without newlines, a dump) still has it read."""
+
+LINE_TAIL = 16 * 1024
 
 LOG_MAX_MB = 50.0
 """Default cap on trial.log (MB): the first and the last half are kept."""
@@ -288,7 +292,15 @@ def _pump(fd: int, sink: _Sink) -> None:
     """Read the pipe to its end, in chunks, whatever happens downstream. Lines end at \\n, \\r\\n or
     a lone \\r; a line longer than LINE_MAX is cut there and the rest of it skipped."""
     buf = b""
-    skipping = 0  # bytes of an over-long line skipped so far
+    skipping = 0  # bytes of an over-long line past its kept head so far
+    tail = b""  # the last LINE_TAIL bytes of that line so far (they may overlap the head)
+
+    def long_line_ends(rest: bytes) -> None:
+        kept = (tail + rest)[-LINE_TAIL:]
+        skipped = max(0, skipping + len(rest) - len(kept))
+        sink.note(f"# zenithtune: {skipped} more bytes of that line skipped; its last {len(kept)} bytes follow")
+        sink.line(kept)
+
     try:
         while True:
             try:
@@ -312,25 +324,27 @@ def _pump(fd: int, sink: _Sink) -> None:
                 if skipping:
                     sink.batch(batch)
                     batch = []
-                    sink.note(f"# zenithtune: {skipping + end - start} more bytes of that line skipped")
-                    skipping = 0
+                    long_line_ends(buf[start:end])
+                    skipping, tail = 0, b""
                 else:
                     batch.append(buf[start:end])
                 start = end
             buf = buf[start:]
             if skipping:
                 skipping += len(buf)
+                tail = (tail + buf)[-LINE_TAIL:]
                 buf = b""
             elif len(buf) > LINE_MAX:
                 batch.append(buf[:LINE_MAX] + b"\n")
                 skipping = len(buf) - LINE_MAX
+                tail = buf[-LINE_TAIL:]
                 buf = b""
             if not chunk and buf:
                 batch.append(buf)
             sink.batch(batch)
             if not chunk:
                 if skipping:
-                    sink.note(f"# zenithtune: {skipping} more bytes of that line skipped")
+                    long_line_ends(b"")
                 break
     finally:
         os.close(fd)
@@ -344,7 +358,8 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
         env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
         echo: Callable[[str], None] | None = None, grace: float = 5.0,
         on_line: Callable[[str], None] | None = None, log_max_mb: float | None = LOG_MAX_MB,
-        trial_id: str | None = None, on_start: Callable[[TrialProcess], None] | None = None) -> RunResult:
+        trial_id: str | None = None, on_start: Callable[[TrialProcess], None] | None = None,
+        stop: Callable[[], bool] | None = None) -> RunResult:
     """Run ``argv`` (no shell) to completion, timeout or Ctrl-C; never leaves a process behind.
 
     ``env`` is merged over ``os.environ``; PYTHONUNBUFFERED=1 is added unless set, so Python trainers
@@ -356,45 +371,26 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     ``on_start`` gets the :class:`TrialProcess` record right after the start: store it, so that a
     resumed study can kill what this run leaves behind if the tuner itself is killed.
     ``log_max_mb`` caps ``log_path`` (None = no cap).
+    ``stop`` is polled while the command runs: True kills it the same way (``interrupted=True``); a
+    caller that holds a stop signal instead of raising it (:func:`zenithtune.signals.deferred`) passes
+    :func:`zenithtune.signals.pending`, so a signal landing after the command exited leaves its result whole.
     """
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout={timeout} must be a positive number of seconds, or None for no limit")
-    if log_max_mb is not None and (isinstance(log_max_mb, bool) or not isinstance(log_max_mb, (int, float))
-                                   or not log_max_mb > 0):
-        raise ValueError(f"log_max_mb={log_max_mb!r} must be a positive number of MB, or null for no cap")
+    _check_limits(timeout, log_max_mb)
     marker = trial_id or uuid.uuid4().hex
     # `NPROC_PER_NODE=8 megatron sft ...`: the leading assignments are the command's environment, as a
     # shell would make them (they win over zenithtune's own additions: the command is the user's)
     assigned, program = env_prefix(argv)
-    extra = {**(env or {}), **assigned}
-    if "PYTHONUNBUFFERED" not in os.environ and "PYTHONUNBUFFERED" not in extra:
-        extra["PYTHONUNBUFFERED"] = "1"
-    added = _added_env(extra)
-    extra[MARKER_ENV] = marker
+    extra, added = _trial_env({**(env or {}), **assigned}, marker)
     start = time.monotonic()
-    log: _CappedLog | None = None
-    log_error = None
-    if log_path is not None:
-        log_path = Path(log_path)
-        try:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = _CappedLog(log_path, int(log_max_mb * 1e6) if log_max_mb else None)
-        except OSError as exc:
-            log_error = f"cannot create {log_path}: {exc.strerror or exc}"
+    log, log_error = _open_log_file(log_path, log_max_mb)
+    log_path = log.path if log is not None else (Path(log_path) if log_path is not None else None)
     sink = _Sink(log, echo, on_line)
-    sink.note(f"# command: {shlex.join(argv)}")
-    sink.note("# env added: " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in added.items()) or "(none)"))
-    sink.note(f"# cwd: {Path(cwd or os.getcwd()).resolve()}")
-    sink.note(f"# started: {_dt.datetime.now().isoformat(timespec='seconds')}")
-    sink.note(f"# {MARKER_ENV}={marker}")
-    sink.note("# " + "-" * 70)
+    _header(sink, argv, added, cwd, marker)
     log_error = log_error or sink.log_error
     if log_error:  # no log, no trial: a run nobody can read back is wasted GPU time
         sink.line(f"zenithtune: not started: {log_error}\n".encode())
         return RunResult(list(argv), None, sink.output(), time.monotonic() - start, False, False, log_path,
                          log_error=log_error)
-
-    timed_out = interrupted = False
     try:
         if not program:
             raise FileNotFoundError("no program to run")
@@ -409,12 +405,76 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
         return RunResult(list(argv), None, sink.output(), time.monotonic() - start, False, False, log_path)
 
     process = TrialProcess.started(marker, proc.pid)
+    reader = _start_reader(proc, sink)
+    timed_out, interrupted = _supervise(proc, reader, sink, process, deadline=None if timeout is None else start + timeout,
+                                        timeout=timeout, grace=grace, stop=stop, on_start=on_start)
+    duration = time.monotonic() - start
+    _footer(sink, log, timed_out, interrupted, proc.returncode, duration)
+    return RunResult(list(argv), proc.returncode, sink.output(), duration, timed_out, interrupted, log_path,
+                     process=process, log_error=sink.log_error, oom_line=sink.oom_line,
+                     feed_error=sink.feed_error, lines=sink.lines)
+
+
+def _check_limits(timeout: float | None, log_max_mb: float | None) -> None:
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout={timeout} must be a positive number of seconds, or None for no limit")
+    if log_max_mb is not None and (isinstance(log_max_mb, bool) or not isinstance(log_max_mb, (int, float))
+                                   or not log_max_mb > 0):
+        raise ValueError(f"log_max_mb={log_max_mb!r} must be a positive number of MB, or null for no cap")
+
+
+def _trial_env(env: dict[str, str] | None, marker: str) -> tuple[dict[str, str], dict[str, str]]:
+    """What the command's environment adds to ours (with the trial's marker), and what of it differs
+    from ours (for the log header: the marker has its own line)."""
+    extra = dict(env or {})
+    if "PYTHONUNBUFFERED" not in os.environ and "PYTHONUNBUFFERED" not in extra:
+        extra["PYTHONUNBUFFERED"] = "1"
+    added = _added_env(extra)
+    extra[MARKER_ENV] = marker
+    return extra, added
+
+
+def _open_log_file(log_path: Path | None, log_max_mb: float | None) -> tuple[_CappedLog | None, str | None]:
+    """trial.log, opened (its folder made); or why it cannot be."""
+    if log_path is None:
+        return None, None
+    log_path = Path(log_path)
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        return _CappedLog(log_path, int(log_max_mb * 1e6) if log_max_mb else None), None
+    except OSError as exc:
+        return None, f"cannot create {log_path}: {exc.strerror or exc}"
+
+
+def _header(sink: _Sink, argv: list[str], added: dict[str, str], cwd: str | os.PathLike[str] | None,
+            marker: str) -> None:
+    """The log's head: what ran, where, with what, when, and the marker that finds its processes."""
+    sink.note(f"# command: {shlex.join(argv)}")
+    sink.note("# env added: " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in added.items()) or "(none)"))
+    sink.note(f"# cwd: {Path(cwd or os.getcwd()).resolve()}")
+    sink.note(f"# started: {_dt.datetime.now().isoformat(timespec='seconds')}")
+    sink.note(f"# {MARKER_ENV}={marker}")
+    sink.note("# " + "-" * 70)
+
+
+def _start_reader(proc: subprocess.Popen[bytes], sink: _Sink) -> threading.Thread:
+    """The thread that drains the command's output into the sink until the pipe closes."""
     assert proc.stdout is not None  # stdout=PIPE
     fd = os.dup(proc.stdout.fileno())  # the reader owns its descriptor; the Popen object keeps its own
     proc.stdout.close()
     reader = threading.Thread(target=_pump, args=(fd, sink), daemon=True, name="zenithtune-output")
     reader.start()
-    deadline = None if timeout is None else start + timeout
+    return reader
+
+
+def _supervise(proc: subprocess.Popen[bytes], reader: threading.Thread, sink: _Sink, process: TrialProcess, *,
+               deadline: float | None, timeout: float | None, grace: float, stop: Callable[[], bool] | None,
+               on_start: Callable[[TrialProcess], None] | None) -> tuple[bool, bool]:
+    """Hand ``on_start`` the trial's processes, wait for the command's exit, its deadline, a stop or a
+    failed log write; then make sure every process of the trial is gone and the output read. Returns
+    (timed_out, interrupted)."""
+    timed_out = interrupted = False
+    marker = process.marker
     try:
         try:
             if on_start is not None:
@@ -422,16 +482,7 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
                     on_start(process)
                 except Exception as exc:  # not being able to record it is no reason to lose the trial
                     sink.note(f"# zenithtune: could not record the trial's processes ({exc!r})")
-            while proc.poll() is None:
-                if sink.failed.is_set():
-                    sink.note("# zenithtune: stopping the command: the log cannot be written")
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    timed_out = True
-                    sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to every process of the "
-                              f"trial, SIGKILL after {grace:g} s")
-                    break
-                sink.failed.wait(0.05)
+            timed_out = _wait(proc, sink, deadline, timeout, grace, stop)
         except KeyboardInterrupt:
             interrupted = True
             sink.note("# zenithtune: interrupted (Ctrl-C): killing every process of the trial")
@@ -447,9 +498,30 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     reader.join(timeout=max(grace, 1.0))
     if reader.is_alive():
         sink.note("# zenithtune: output pipe still held by a process that is not the trial's; not waiting for it")
-    duration = time.monotonic() - start
+    return timed_out, interrupted
 
-    code = proc.returncode
+
+def _wait(proc: subprocess.Popen[bytes], sink: _Sink, deadline: float | None, timeout: float | None, grace: float,
+          stop: Callable[[], bool] | None) -> bool:
+    """Until the command exits, the log fails, ``stop`` says so (KeyboardInterrupt) or the deadline
+    passes (returns True: timed out)."""
+    while proc.poll() is None:
+        if sink.failed.is_set():
+            sink.note("# zenithtune: stopping the command: the log cannot be written")
+            return False
+        if stop is not None and stop():
+            raise KeyboardInterrupt
+        if deadline is not None and time.monotonic() >= deadline:
+            sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to every process of the "
+                      f"trial, SIGKILL after {grace:g} s")
+            return True
+        sink.failed.wait(0.05)
+    return False
+
+
+def _footer(sink: _Sink, log: _CappedLog | None, timed_out: bool, interrupted: bool, code: int | None,
+            duration: float) -> None:
+    """The log's last lines (how the run ended), then the log closed with its tail put back."""
     status = (f"timed out after {duration:.1f} s" if timed_out else
               "interrupted" if interrupted else
               f"stopped: {sink.log_error}" if sink.log_error else f"exit code {code} after {duration:.1f} s")
@@ -462,9 +534,6 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
                 log.close()
             except OSError as exc:
                 sink.log_error = f"cannot write {log.path}: {exc.strerror or exc}"
-    return RunResult(list(argv), code, sink.output(), duration, timed_out, interrupted, log_path,
-                     process=process, log_error=sink.log_error, oom_line=sink.oom_line,
-                     feed_error=sink.feed_error, lines=sink.lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +549,16 @@ _EXCEPTION = re.compile(r"\b\w*(Error|Exception)\b(:|\s*$)|Segmentation fault|co
                         r"\bFATAL\b|\bfatal:|\berror:", re.IGNORECASE)
 # Launcher wrappers repeat a failure with less information than the worker's own message.
 _NOISE = re.compile(r"ChildFailedError|torch\.distributed\.elastic|To enable traceback see|"
-                    r"^\W*$|^Traceback \(most recent call last\)|^\s*(error_file|traceback)\s*:")
+                    r"^\W*$|^Traceback \(most recent call last\)|^\s*(error_file|traceback)\s*:|"
+                    r"^(\[\w+\]:\s*)?Traceback \(most recent call last\)")
+# A rank's echo of another rank's failure: its peer vanished, so its collective broke. Never the cause.
+_ECHO = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
+                   r"NCCL communicator was aborted|ProcessGroupNCCL.*(aborted|Watchdog caught)|"
+                   r"Socket Timeout|Timed out waiting .* for (the )?(store|peer)", re.IGNORECASE)
+# The worker-line prefix of a rank: "[rank0]: " (PyTorch >= 2.2) or torchrun --tee's "[default0]:".
+_RANK = re.compile(r"^\s*\[(?:rank|default)(\d+)\]:")
+# torchrun's summary names the first rank to fail: "Root Cause (first observed failure):" ... "rank : 0".
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 
 
 def _short(line: str) -> str:
@@ -508,10 +586,31 @@ def _invalid_args_reason(lines: list[str]) -> str | None:
     return next((_short(ln) for ln in lines if _DIVISIBLE.search(ln)), None)
 
 
+def _root_rank(lines: list[str]) -> int | None:
+    """The rank torchrun's ChildFailedError summary names as the root cause (first observed failure)."""
+    for k, ln in enumerate(lines):
+        if "Root Cause (first observed failure)" in ln:
+            for nxt in lines[k + 1:k + 8]:
+                m = _ROOT_RANK.match(nxt)
+                if m:
+                    return int(m.group(1))
+    return None
+
+
+def _rank_of(line: str) -> int | None:
+    m = _RANK.match(line)
+    return int(m.group(1)) if m else None
+
+
 def _last_meaningful(lines: list[str]) -> str | None:
+    """The error line that says why: in a multi-rank job, the root-cause rank's last error (torchrun's
+    summary names it), else the last error that is no echo of another rank's failure."""
     errors = [ln for ln in lines if _EXCEPTION.search(ln) and not _NOISE.search(ln)]
     if errors:
-        return _short(errors[-1])
+        root = _root_rank(lines)
+        own = [ln for ln in errors if root is not None and _rank_of(ln) == root]
+        causes = own or [ln for ln in errors if not _ECHO.search(ln)] or errors
+        return _short(causes[-1])
     rest = [ln for ln in lines if ln.strip() and not _NOISE.search(ln) and not ln.startswith("# ")]
     return _short(rest[-1]) if rest else None
 

@@ -133,6 +133,12 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
                 raise UserError(f"{key} is required, and {late[0]} came after `--` (the training command): put "
                                 f"zenithtune's values before `--`, e.g. python -m zenithtune -m n_gpus=8 gbs=64 -- ...")
             raise UserError(f"{key} is required: add {key}=N (e.g. n_gpus=8 gbs=64)")
+    if "params" in cfg and OmegaConf.is_config(cfg.params):
+        # A candidate (the sweeper's, a tuned file's, a study db's) is plain values: an interpolation there
+        # came from a file, and resolving it could run a resolver with side effects (${zt.mkdir:...}).
+        found = _interpolation(OmegaConf.to_container(cfg.params, resolve=False), "params")
+        if found:
+            raise UserError(f"{found}: a parameter value is a plain number or word, not an interpolation")
     try:
         data: dict[str, Any] = {k: OmegaConf.to_container(cfg[k], resolve=True, throw_on_missing=True)
                 if OmegaConf.is_config(cfg[k]) else cfg[k] for k in cfg if k in names}
@@ -169,6 +175,9 @@ def _positive_float(conf: ZenithtuneConf, key: str, example: str, *, optional: b
                            if optional else ""))
 
 
+MIN_TIMEOUT_S = 1.0  # a trial limit below this kills every command before it prints anything
+
+
 def check(conf: ZenithtuneConf) -> None:
     """Range checks the schema's types cannot express; one line naming the key and the fix."""
     _positive(conf, "n_gpus", "n_gpus=8")
@@ -197,6 +206,12 @@ def check(conf: ZenithtuneConf) -> None:
     _positive_float(conf, "timeout", "timeout=600", optional=True)
     _positive_float(conf, "timeout_dynamic_factor", "timeout_dynamic_factor=3", unit="")
     _positive_float(conf, "timeout_dynamic_floor", "timeout_dynamic_floor=60")
+    for key in ("timeout", "timeout_dynamic_floor"):
+        value = getattr(conf, key)
+        if value is not None and value < MIN_TIMEOUT_S:
+            raise UserError(f"{key}={value:g} s is shorter than any training command takes to start: give seconds, "
+                            f"at least {MIN_TIMEOUT_S:g} (e.g. {key}=600)"
+                            + ("; leave it out (null) for no limit" if key == "timeout" else ""))
     _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True, unit="GB")
     _positive_float(conf, "log_max_mb", "log_max_mb=50", optional=True, unit="MB")
     margin = conf.memory_safety_margin
@@ -250,9 +265,11 @@ def build(node: dict[str, Any]) -> Any:
                         f"(e.g. {TRUSTED_ENV}='{target.rsplit('.', 1)[0]}.*')")
     try:
         return instantiate(node, _execution_whitelist_=allowed)
-    except InstantiationException as e:
-        # A wrong or missing option of a strategy/evaluator (e.g. evaluator=regex without a pattern).
-        cause = e.__cause__ or e
+    except (InstantiationException, TypeError, ValueError, OmegaConfBaseException) as e:
+        # A wrong or missing option of a strategy/evaluator (evaluator=regex without a pattern, an
+        # unknown keyword, selector=bogus): the class's own ValueError names the key and the fix.
+        # Hydra 1.4 raises what the constructor raised; older Hydras wrap it in InstantiationException.
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ is not None else e
         if isinstance(cause, (TypeError, ValueError, OmegaConfBaseException)):
             raise UserError(f"{target}: {str(cause).splitlines()[0]}") from None
         raise
@@ -326,6 +343,22 @@ def _check_known(key: str, value: str, names: dict[str, Any]) -> None:
 # The evaluator that scored the study comes along, so a run prints the same score; its `_target_` is
 # instantiated only when trusted (`build`).
 TUNED_KEYS = ("params", "n_gpus", "gbs", "evaluator", "result")
+TUNED_MAX_BYTES = 1_000_000  # a tuned config is a few hundred bytes; parsing 100 MB of YAML takes minutes
+
+
+def _interpolation(data: Any, where: str = "") -> str | None:
+    """The first value holding a ${...} interpolation, as `key: value`; None when there is none."""
+    if isinstance(data, dict):
+        items: Any = data.items()
+    elif isinstance(data, list):
+        items = enumerate(data)
+    else:
+        return f"{where}: {data}" if isinstance(data, str) and "${" in data else None
+    for k, v in items:
+        found = _interpolation(v, f"{where}.{k}" if where else str(k))
+        if found:
+            return found
+    return None
 
 
 def check_tuned_file(name: str) -> None:
@@ -339,6 +372,10 @@ def check_tuned_file(name: str) -> None:
     ours = resources.files("zenithtune.conf").joinpath("tuned").joinpath(f"{name}.yaml")
     path = local if local.is_file() else ours
     try:
+        size = path.stat().st_size if isinstance(path, Path) else len(path.read_bytes())
+        if size > TUNED_MAX_BYTES:
+            raise UserError(f"tuned={name}: {path} is {size / 1e6:.1f} MB; a tuned config holds a few parameters "
+                            f"(at most {TUNED_MAX_BYTES / 1e6:g} MB): write it again with save_tuned={name}")
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise UserError(f"tuned={name}: cannot read {path}: {str(e).splitlines()[0]}") from None
@@ -352,3 +389,8 @@ def check_tuned_file(name: str) -> None:
     if extra:
         raise UserError(f"tuned={name}: {path} also sets {', '.join(extra)}; a tuned config may only hold "
                         f"{', '.join(TUNED_KEYS)} (remove the other keys; the command comes after `--`)")
+    # Resolvers run when the config is composed: ${zt.mkdir:...} would create a folder, whatever is refused later.
+    found = _interpolation(data)
+    if found:
+        raise UserError(f"tuned={name}: {path} holds an interpolation ({found}); a tuned config holds plain "
+                        f"values only (write it again with save_tuned={name})")

@@ -6,6 +6,11 @@ thread, so the runner kills the trial's process group, the loop records the tria
 the sweeper writes best.yaml and prints the resume hint: exactly what Ctrl-C does. Only the exit code
 and the recorded reason tell them apart (the shell's 128 + signal number: 130 Ctrl-C, 129 SIGHUP,
 143 SIGTERM). SIGKILL cannot be caught; a resumed study closes what it left RUNNING.
+
+Where a result is being written (`deferred()`: a trial from its command's start to its trial.json, the
+loop recording a wave), a stop signal (Ctrl-C included) is held instead: the runner polls `pending()`
+and kills the command, and the held stop is raised when the section ends, once the result is safe. A
+signal landing just after a trial finished used to abort the study in the middle of recording it.
 """
 from __future__ import annotations
 
@@ -14,16 +19,26 @@ import signal
 import threading
 from collections.abc import Iterator
 
-# The signals handled like Ctrl-C; SIGINT already raises KeyboardInterrupt.
+# The signals handled like Ctrl-C; SIGINT already raises KeyboardInterrupt (ours only adds deferral).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _received: int | None = None  # the last stop signal that arrived (None: none, or Ctrl-C)
 _armed = False  # inside `armed()`: a trial may be running and the study has something to save
+_deferring = 0  # depth of `deferred()` sections
+_pending = False  # a stop arrived inside a deferred section and is not raised yet
+_count = 0  # stops received (any handled signal): a caller can tell one was swallowed on its way
 
 
 def _raise(signum: int, frame: object) -> None:
-    global _received
-    _received = signum
+    global _received, _pending, _count
+    _count += 1
+    if signum != signal.SIGINT:
+        _received = signum
+    if _deferring:
+        _pending = True
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     if not _armed:
         # Composing the config, building the job, writing the summary: nothing runs that needs killing,
         # and an exception raised in the middle of Hydra or OmegaConf would surface as a traceback.
@@ -48,14 +63,51 @@ def armed() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """While inside, a stop signal is held (see `pending()`); leaving the outermost section raises it as
+    KeyboardInterrupt, after the result it protects is written."""
+    global _deferring, _pending
+    _deferring += 1
+    try:
+        yield
+    except KeyboardInterrupt:
+        if _deferring == 1:
+            _pending = False  # the stop is on its way out already
+        raise
+    finally:
+        _deferring -= 1
+    if not _deferring and _pending:
+        _pending = False
+        raise KeyboardInterrupt
+
+
+def count() -> int:
+    """How many stop signals arrived so far. Code that runs a library which may swallow the
+    KeyboardInterrupt (Hydra wraps what is raised while OmegaConf resolves) compares it before and after."""
+    return _count
+
+
+def pending() -> bool:
+    """Whether a stop signal is held by a deferred section (the runner polls this to stop the command)."""
+    return _pending
+
+
+def acknowledge() -> None:
+    """The caller has dealt with the held stop itself (a single run reports it and exits): do not raise it."""
+    global _pending
+    _pending = False
+
+
+@contextlib.contextmanager
 def handled() -> Iterator[None]:
-    """While inside, SIGTERM / SIGHUP raise KeyboardInterrupt; the previous handlers come back after."""
-    global _received
-    _received = None
+    """While inside, SIGTERM / SIGHUP raise KeyboardInterrupt, and every stop (Ctrl-C too) waits for a
+    deferred section to end; the previous handlers come back after."""
+    global _received, _pending
+    _received, _pending = None, False
     if threading.current_thread() is not threading.main_thread():
         yield  # Python delivers signals to the main thread only; its own handlers apply
         return
-    saved = {s: signal.signal(s, _raise) for s in STOP_SIGNALS}
+    saved = {s: signal.signal(s, _raise) for s in (*STOP_SIGNALS, signal.SIGINT)}
     try:
         yield
     finally:

@@ -103,9 +103,12 @@ _STORAGES: dict[tuple, optuna.storages.BaseStorage] = {}
 
 
 def open_storage(url: str, heartbeat_interval: int | None = None,
-                 grace_period: int | None = None) -> optuna.storages.BaseStorage:
-    """The storage behind a URL, opened once per process; a URL a user can fix -> one UserError line."""
-    cache_key = (url, heartbeat_interval, grace_period)
+                 grace_period: int | None = None, *, read_only: bool = False) -> optuna.storages.BaseStorage:
+    """The storage behind a URL, opened once per process; a URL a user can fix -> one UserError line.
+    ``read_only`` (a sqlite file only): opened as an immutable file, for reading a study kept where
+    nothing may be written (a read-only folder or mount): sqlite's WAL mode would otherwise need its
+    -shm file next to it."""
+    cache_key = (url, heartbeat_interval, grace_period, read_only)
     if cache_key in _STORAGES:
         return _STORAGES[cache_key]
     journal = journal_path(url)
@@ -114,7 +117,7 @@ def open_storage(url: str, heartbeat_interval: int | None = None,
     elif "://" not in url:
         raise UserError(f"storage={url} is not a storage: use one of {'; '.join(FORMS)}")
     else:
-        storage = _rdb(url, heartbeat_interval, grace_period)
+        storage = _rdb(url, heartbeat_interval, grace_period, read_only=read_only)
     _STORAGES[cache_key] = storage
     return storage
 
@@ -130,20 +133,26 @@ def _journal(path: Path) -> optuna.storages.BaseStorage:
     return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
 
 
-def _rdb(url: str, heartbeat_interval: int | None, grace_period: int | None) -> optuna.storages.BaseStorage:
+def _rdb(url: str, heartbeat_interval: int | None, grace_period: int | None, *,
+         read_only: bool = False) -> optuna.storages.BaseStorage:
     from optuna.storages import RDBStorage
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
     scheme = url.split("://", 1)[0]
     engine_kwargs: dict[str, Any] = {}
     sqlite = db_path(url)
+    shown = url
     if scheme.startswith("sqlite"):
         if sqlite is None:
             raise UserError(f"storage={url}: a sqlite storage names a file: sqlite:////abs/path/study.db")
         if not sqlite.parent.is_dir():
             raise UserError(f"storage={url}: the folder {sqlite.parent} does not exist")
-        _sqlite_wal(sqlite)
-        engine_kwargs["connect_args"] = {"timeout": SQLITE_BUSY_S}
+        if read_only:
+            _sqlite_check(_sqlite_uri(sqlite), sqlite)
+            url = f"sqlite:///{_sqlite_uri(sqlite)}&uri=true"  # SQLAlchemy passes uri=true to sqlite3
+        else:
+            _sqlite_wal(sqlite)
+            engine_kwargs["connect_args"] = {"timeout": SQLITE_BUSY_S}
     elif scheme.startswith(("postgresql", "postgres")):
         engine_kwargs.update(pool_pre_ping=True, connect_args={"connect_timeout": 10})
     with warnings.catch_warnings():
@@ -154,10 +163,10 @@ def _rdb(url: str, heartbeat_interval: int | None, grace_period: int | None) -> 
                 return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
                                   grace_period=grace_period)
             except (ModuleNotFoundError, ImportError) as e:
-                raise UserError(f"storage={where(url)} needs a database driver that is not installed ({e.name or e}): "
+                raise UserError(f"storage={where(shown)} needs a database driver that is not installed ({e.name or e}): "
                                 f"pip install 'zenithtune[cluster]' (PostgreSQL) or the driver for {scheme}") from None
             except (ArgumentError, NoSuchModuleError, ValueError) as e:
-                raise UserError(f"storage={where(url)} is not a storage URL zenithtune can open "
+                raise UserError(f"storage={where(shown)} is not a storage URL zenithtune can open "
                                 f"({str(e).splitlines()[0]}): use one of {'; '.join(FORMS)}") from None
             except SQLAlchemyError as e:
                 # Workers starting together race to create Optuna's tables ("table studies already
@@ -169,19 +178,53 @@ def _rdb(url: str, heartbeat_interval: int | None, grace_period: int | None) -> 
                     continue
                 break
         detail = str(getattr(last, "orig", None) or last).strip().splitlines()[0] if last else "?"
-        raise UserError(f"cannot open storage {where(url)}: {detail}; check that the database server is up "
+        raise UserError(f"cannot open storage {where(shown)}: {detail}; check that the database server is up "
                         f"and reachable from this host, and the URL's user, password and database") from None
 
 
 def _sqlite_wal(path: Path) -> None:
-    """WAL lets readers work while one process writes; it is a property of the file, set once."""
+    """WAL lets readers work while one process writes; it is a property of the file, set once.
+    A damaged file (a page overwritten) is refused here, in one line, before Optuna reads it."""
     import sqlite3
 
     try:
         with sqlite3.connect(str(path), timeout=SQLITE_BUSY_S) as conn:
+            _check_intact(conn, path)
             conn.execute("PRAGMA journal_mode=WAL")
     except sqlite3.Error as e:
         raise UserError(f"cannot open sqlite storage {path}: {e}") from None
+
+
+def _sqlite_uri(path: Path) -> str:
+    """sqlite's URI for a file opened read-only and immutable (no -shm, -wal or lock file is made)."""
+    from urllib.parse import quote
+
+    return f"file:{quote(str(path))}?mode=ro&immutable=1"
+
+
+def _sqlite_check(uri: str, path: Path) -> None:
+    import sqlite3
+
+    try:
+        with sqlite3.connect(uri, uri=True) as conn:
+            _check_intact(conn, path)
+    except sqlite3.Error as e:
+        raise UserError(f"cannot open sqlite storage {path}: {e}") from None
+
+
+def writable(path: Path) -> bool:
+    """Whether a sqlite file and its folder can be written (its journal and -shm files live there)."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
+def _check_intact(conn: Any, path: Path) -> None:
+    """sqlite's own page and index check (quick_check: read-only, linear in the file's size, which is
+    small for a study); without it a damaged page surfaces as chained tracebacks in the middle of a run."""
+    problems = [line for row in conn.execute("PRAGMA quick_check(3)") for line in str(row[0]).splitlines()
+                if line.strip() and not line.startswith("***")]  # "*** in database main ***" heads the list
+    if problems and problems != ["ok"]:
+        raise UserError(f"{path} is damaged ({problems[0]}): move it away and start a new study, or "
+                        f"recover its rows with sqlite3 {path.name} .recover")
 
 
 def open_study(url: str, name: str, direction: Literal["maximize", "minimize"], sampler: optuna.samplers.BaseSampler | None = None,
@@ -204,7 +247,9 @@ def load_existing(value: str, study_name: str | None = None) -> tuple[optuna.Stu
     path = db_path(url) or journal_path(url)
     if path is not None and not path.is_file():
         raise UserError(f"{value}: no such study database ({path}); studies are in outputs/study_*/study.db")
-    names = [s.study_name for s in optuna.get_all_study_summaries(storage=open_storage(url))]
+    sqlite = db_path(url)
+    storage = open_storage(url, read_only=sqlite is not None and not writable(sqlite))
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage=storage)]
     if not names:
         raise UserError(f"{where(url)} holds no study: run `zenithtune optimize` (or python -m zenithtune -m) first")
     name = study_name
@@ -214,7 +259,7 @@ def load_existing(value: str, study_name: str | None = None) -> tuple[optuna.Stu
         name = names[0]
     elif name not in names:
         raise UserError(f"{where(url)} has no study {name!r}; it holds: {', '.join(names)}")
-    return open_study(url, name, "maximize", create=False), url
+    return optuna.load_study(storage=storage, study_name=name), url
 
 
 # --- many workers, one study ------------------------------------------------------------------------

@@ -22,11 +22,11 @@ from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
 from zenithtune.job import Job, build_job
-from zenithtune.loop import Pending, StudyLoop
+from zenithtune.loop import Pending, StudyLoop, WaveInterrupted
 from zenithtune.overrides import hydra_quote, key, resume_command, value
 from zenithtune.processes import kill_leftovers
 from zenithtune.progress import Progress
-from zenithtune.record import TRIAL_INFO, Attr, Launched, Outcome
+from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
 from zenithtune.tuned import tuned_yaml
@@ -35,6 +35,8 @@ NOT_STARTED = "not_started"  # the rule of a trial whose Slurm job never started
 
 
 def _storage_error(url: str, err: BaseException) -> UserError:
+    while err.__cause__ is not None:  # Optuna wraps SQLAlchemy wraps sqlite3: the innermost says what is wrong
+        err = err.__cause__
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
     return UserError(f"cannot use the study storage {zstudy.where(url)}: {first[:200]} "
                      f"(give a study.db path or an Optuna URL: sqlite:///..., postgresql://..., mysql://...)")
@@ -82,7 +84,8 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
                                  heartbeat_interval=job.conf.heartbeat_interval, grace_period=job.conf.heartbeat_grace)
     except ZenithtuneError:
         raise  # already one line (zenithtune.study says what is wrong with the storage)
-    except (sqlalchemy.exc.SQLAlchemyError, ImportError, OSError, ValueError, RuntimeError) as err:
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.OptunaError, ImportError, OSError, ValueError,
+            RuntimeError) as err:
         raise _storage_error(url, err) from None
 
 
@@ -167,6 +170,9 @@ class StudyRunner:
         except slurm.NotStarted:
             loop.abandon()  # the wave's trials were marked not launched: pruned, no budget spent
             progress.close()
+            raise
+        except ZenithtuneError:
+            loop.abandon()  # a bad value reached a trial: the study stops with its one line, nothing left RUNNING
             raise
         finally:
             liveness.stop()
@@ -261,19 +267,31 @@ class StudyRunner:
         for p in wave:
             overrides = list(self.arguments) + [f"++params.{k}={value(v)}" for k, v in p.cand.items()]
             if p.limit is not None:
-                overrides.append(f"timeout={p.limit:.1f}")
+                overrides.append(f"timeout={p.limit:.6g}")  # as computed: .1f once turned 0.04 into timeout=0
             # resolved here: a launcher's job process composes the config anew (its own ${zt.started:})
             overrides += [f"hydra.sweep.dir={hydra_quote(str(self.sweep_dir))}", f"hydra.sweep.subdir=trial_{p.number}"]
             batch.append(overrides)
         if slurm.uses_slurm(self.launcher):
             return self._slurm_wave(wave, batch)
+        stops = signals.count()
         try:
-            rets = self.launcher.launch(batch, initial_job_idx=wave[0].number)
+            try:
+                rets = self.launcher.launch(batch, initial_job_idx=wave[0].number)
+            except KeyboardInterrupt:
+                raise
+            except Exception as err:  # noqa: BLE001  a launcher that lost a job (submitit: cancelled, killed at its time limit)
+                if signals.count() != stops:  # a stop while Hydra composed the job, wrapped into its own error
+                    raise KeyboardInterrupt from None
+                return [self._lost(p, err) for p in wave]
+            results = [self._result(ret) for ret in rets]
+            if signals.count() != stops:  # a stop that did not come through as KeyboardInterrupt: honour it now
+                raise KeyboardInterrupt
+            return results
         except KeyboardInterrupt:
-            raise
-        except Exception as err:  # noqa: BLE001  a launcher that lost a job (submitit: cancelled, killed at its time limit)
-            return [self._lost(p, err) for p in wave]
-        return [self._result(ret) for ret in rets]
+            signals.acknowledge()  # delivered here
+            # What finished before the stop is in its trial.json (app.task writes it before it lets a stop through).
+            raise WaveInterrupted([record.read_run(self.sweep_dir / f"trial_{p.number}" / TRIAL_INFO)
+                                   for p in wave]) from None
 
     def _slurm_wave(self, wave: list[Pending], batch: list[list[str]]) -> list[Launched]:
         """One wave as Slurm jobs (zenithtune.slurm): job ids into the records, the queue's reason on
@@ -361,14 +379,23 @@ class StudyRunner:
         except ZenithtuneError:
             raise  # a bad value reached the entry function: the study stops with its one line
         except Exception as err:  # noqa: BLE001  a bug or bad config inside the entry function: the message is the clue
-            run.value, run.kind, run.reason = None, FailureKind.CRASH.value, f"{type(err).__name__}: {err}"
+            out_dir = self._trial_dir(ret)
+            log = out_dir / TRIAL_LOG if out_dir else None  # hydra_main appended the traceback to it
+            where = f"; traceback in {log}" if log is not None and log.is_file() else ""
+            run.value, run.kind, run.reason = None, FailureKind.CRASH.value, f"{type(err).__name__}: {err}{where}"
+            run.log = run.log or (str(log) if log is not None else None)
         return run
 
     @staticmethod
-    def _trial_run(ret: JobReturn) -> Launched | None:
+    def _trial_dir(ret: JobReturn) -> Path | None:
         hydra_cfg = ret.hydra_cfg
         out_dir = OmegaConf.select(hydra_cfg, "hydra.runtime.output_dir") if hydra_cfg is not None else None
-        return record.read_run(Path(str(out_dir)) / TRIAL_INFO) if out_dir else None
+        return Path(str(out_dir)) if out_dir else None
+
+    @classmethod
+    def _trial_run(cls, ret: JobReturn) -> Launched | None:
+        out_dir = cls._trial_dir(ret)
+        return record.read_run(out_dir / TRIAL_INFO) if out_dir else None
 
     def _finish(self, study: optuna.Study, job: Job, url: str, sweep_dir: Path, progress: Progress,
                 why: str) -> Outcome | None:
@@ -382,7 +409,8 @@ class StudyRunner:
             if launched:
                 summary = ", ".join(f"{k}: {n}" for k, n in sorted(record.kind_counts(launched).items()))
                 first_log = next((o.log for o in launched if o.log), None)
-                raise StudyFailed(f"all {len(launched)} launched trials failed ({summary}); first log: {first_log}")
+                stop = f"; {why}" if "rerun with" in why else ""  # the loop's hint (a metric below its precision)
+                raise StudyFailed(f"all {len(launched)} launched trials failed ({summary}); first log: {first_log}{stop}")
             raise StudyFailed("no candidate could be launched: every proposal was invalid or predicted to run out "
                               "of memory (see the space report above); check gpu_memory_gb, n_gpus and gbs")
         where = zstudy.where(url)
