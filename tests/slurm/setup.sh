@@ -23,7 +23,8 @@ up() {  # sinfo answers and every node is idle or in use
     timeout 10 sinfo -N -h -o "%N %t" 2>/dev/null | awk '$2 !~ /^(idle|alloc|mix)$/ {bad=1} END {exit (NR < 2 || bad)}'
 }
 
-if command -v sinfo >/dev/null && up; then
+# accounting too: submitit and the tests read job states from sacct, which needs MariaDB behind slurmdbd
+if command -v sinfo >/dev/null && up && mysqladmin ping >/dev/null 2>&1 && sacct -n -X -j 1 >/dev/null 2>&1; then
     log "Slurm is up: $(sinfo -N -h -o '%N:%t' | tr '\n' ' ')"
     exit 0
 fi
