@@ -37,6 +37,7 @@ the studies. Work is spread over --jobs processes (default 2).
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import hashlib
 import json
@@ -179,10 +180,25 @@ def optima(c: Case, names: list[str]) -> dict[str, Optimum]:
     return out
 
 
+def _code(f: Path) -> bytes:
+    """What a file does, not how it is explained: Python without comments and docstrings (an edit to
+    those keeps the cache), any other file as it is."""
+    if f.suffix != ".py":
+        return f.read_bytes()
+    tree = ast.parse(f.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
+
+
 def _hash(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in sorted(files):
-        h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
+        h.update(str(f.relative_to(ROOT)).encode() + _code(f))
     return h.hexdigest()[:16]
 
 

@@ -18,11 +18,12 @@ Memory (what the GPU holds; an OOM is still an OOM at the GPU's capacity):
   "CUDA semantics", memory management). Korthikanti et al. 2022 count only the saved tensors, linear in b.
 - `fragmentation`: reserved over allocated depends on recompute and MBS, not on the model alone:
   recompute frees and re-allocates every layer's activations each step, larger micro-batches make
-  larger blocks the allocator cannot reuse for smaller requests (PyTorch caching-allocator notes on
-  block splitting; Megatron-Bridge's performance guide recommends expandable_segments for this).
-- `overhead[=GiB]`: a fixed 2-8 GiB outside the caching allocator (default 5): NCCL NVLS/user buffers,
-  CUDA graphs, TE userbuffers and cuBLAS workspaces per stream (NCCL environment docs: NCCL_NVLS_ENABLE
-  buffers; Megatron-Bridge performance guide: CUDA graphs and TP-comm-overlap buffers cost memory).
+  larger blocks the allocator cannot reuse for smaller requests (PyTorch's CUDA caching-allocator
+  notes on block splitting; Megatron-Bridge's "Memory Tuning" guide: OOMs "often stem from memory
+  fragmentation rather than raw capacity", hence PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
+- `overhead[=GiB]`: a fixed 2-8 GiB outside the caching allocator (default 5): NCCL buffers, CUDA
+  graphs, TE userbuffers and cuBLAS workspaces (Megatron-Bridge's "Memory Tuning" guide lists
+  "CUDA/NCCL workspace, CUDA graph buffers ... dispatcher workspace" as what its estimator leaves out).
 - `etp_experts`: MoE layers all-gather the routed tokens over TP before the experts and split the
   expert FFN over expert-TP, so expert activations are divided by ETP, not TP (Megatron-Core MoE
   README: "MoE parallel folding" decouples the experts' TP from the attention's TP).
