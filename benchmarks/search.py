@@ -51,6 +51,7 @@ from zenithtune.job import Job, build_job  # noqa: E402
 from zenithtune.loop import Callbacks, Launched, StudyLoop  # noqa: E402
 from zenithtune.sim import simulate  # noqa: E402
 from zenithtune.sim.inprocess import launcher, sim_argv  # noqa: E402
+from zenithtune.study import best as called_best  # noqa: E402
 from zenithtune.validate import required_env  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -247,19 +248,20 @@ def run_study(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> S
     loop = StudyLoop(job, study, launch, trace)
     loop.start([])
     stop = loop.run(n_trials)
-    # the incumbent is what a user would deploy (the best measured score so far), valued at its
-    # steady-state truth so one jittery log line neither flatters nor hurts a strategy
+    # the incumbent is what a user would deploy (what the tuner calls best so far: zenithtune.study.best),
+    # valued at its steady-state truth so one jittery log line (or, on a noisy trainer, one lucky run)
+    # neither flatters nor hurts a strategy
     curve: list[float | None] = []
     hours: list[float] = []
-    failed, incumbent = 0, None
+    failed = 0
+    so_far: list = []
     for o in loop.outcomes:
         if not o.launched:
             continue
+        so_far.append(o)
         hours.append((hours[-1] if hours else 0.0) + (o.duration or 0.0) * sc.n_gpus / 3600.0)
-        if not o.ok:
-            failed += 1
-        elif incumbent is None or job.strategy.better(o.value, incumbent.value):
-            incumbent = o
+        failed += not o.ok
+        incumbent = called_best(so_far, job.evaluator.direction)
         curve.append(None if incumbent is None else truth.get(incumbent.trial_number, incumbent.value))
     return StudyResult(sc.name, strategy, seed, curve, failed, hours, stop, time.time() - started, trace.lines)
 
