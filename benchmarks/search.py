@@ -49,8 +49,7 @@ import optuna  # noqa: E402
 from zenithtune import settings  # noqa: E402
 from zenithtune.job import Job, build_job  # noqa: E402
 from zenithtune.loop import Callbacks, Launched, StudyLoop  # noqa: E402
-from zenithtune.sim import simulate  # noqa: E402
-from zenithtune.sim.inprocess import launcher, sim_argv  # noqa: E402
+from zenithtune.sim import inprocess, simulate  # noqa: E402
 from zenithtune.validate import required_env  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -186,6 +185,11 @@ class Sweep:
     grid: StudyResult  # the grid baseline's row, read off the sweep
 
 
+def sim_argv(job: Job, cand: dict) -> list[str]:
+    """The simulator's own arguments for a candidate of this job (robustness.py uses it too)."""
+    return inprocess.sim_argv(job.command, job.space.options(cand))
+
+
 def sweep(sc: Scenario) -> Sweep:
     """Grid's order is least predicted memory first; what a grid study with a fresh memory model
     launches is every candidate it does not screen, so its row comes from this sweep without pushing
@@ -240,7 +244,7 @@ def run_study(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> S
     job = make_job(sc, strategy, seed, n_trials)
     truth: dict[int, float] = {}  # trial number -> the simulator's steady-state TFLOP/s (no log jitter)
 
-    launch = launcher(job, truth=truth)
+    launch = inprocess.launcher(job.command, job.space, job.evaluator, truth=truth)
 
     study = optuna.create_study(storage=None, direction=job.evaluator.direction, sampler=job.strategy.sampler())
     trace = _Trace()
@@ -392,7 +396,7 @@ def parallel_study(sc: Scenario, strategy: str, seed: int | None, n_trials: int,
     job = make_job(sc, strategy, seed, n_trials)
     truth: dict[int, float] = {}
 
-    launch = launcher(job, truth=truth)
+    launch = inprocess.launcher(job.command, job.space, job.evaluator, truth=truth)
 
     def one(p) -> Launched:
         return launch(p.number, p.cand, None)

@@ -52,7 +52,7 @@ def make_job(strategy: str, *, n_gpus: int = 8, gbs: int = 32, shape: list[str] 
 
 def sim_launch(job: Job, oom_if=None):
     """A launch function: the simulator in-process; `oom_if(cand)` forces an OOM."""
-    return launcher(job, oom_if=oom_if)
+    return launcher(job.command, job.space, job.evaluator, oom_if=oom_if)
 
 
 def study(job: Job, n_trials: int, oom_if=None, memory_report: bool = True) -> tuple[StudyLoop, str]:
