@@ -99,14 +99,18 @@ class Setting:
 class Job(Setting):
     """A study's setting plus what searches it: the strategy, the evaluator, the time limits."""
 
-    conf: ZenithtuneConf = field(kw_only=True)
-    survey: Survey = field(kw_only=True)
     strategy: Strategy = field(kw_only=True)
     evaluator: Evaluator = field(kw_only=True)
     timeouts: TimeoutPolicy = field(kw_only=True)
-    strategy_name: str = ""  # as the user selects it (strategy=heuristic), not the class behind it
-    predicted_oom_count: int = 0
-    predicted_oom_estimated: bool = False  # the count comes from a sample of the valid candidates
+
+
+@dataclass(frozen=True)
+class SpaceReport:
+    """What the start of a study says about its space (`Progress.header`)."""
+
+    survey: Survey  # how the rules shrank the space
+    predicted_oom: int  # valid candidates the memory model screens before any launch
+    estimated: bool  # ... counted on an evenly spaced sample of them
 
 
 def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:
@@ -119,6 +123,8 @@ def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:
 
 
 def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
+    """A study's (or a single run's) setting: the user's input checked first, one clear line per
+    problem, then `screen_setting`."""
     if not mbs_values(conf.mbs_max, conf.gbs):
         raise UserError(f"gbs={conf.gbs} is not divisible by any micro-batch size 1..{conf.mbs_max}")
     command = wrapped_command(conf)
@@ -128,17 +134,28 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
     preflight.check_command(command, n_gpus=conf.n_gpus, evaluator_target=str(conf.evaluator.get("_target_", "")))
     if conf.model:
         preflight.check_model(command, conf.model)
-    explicit = {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length")
-                if getattr(conf, k) is not None}
-    model = modelinfo.resolve(explicit=explicit, argv=command, model=conf.model)
-    if conf.model and model.name == "command":  # the command agrees with model= (checked above): say which
+    if not quiet:
+        from_cmd = modelinfo.from_argv(command)
+        for key, value in _explicit_shape(conf).items():
+            theirs = getattr(from_cmd, key, None)
+            if theirs is not None and int(theirs) != int(value):
+                print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
+                      f"the command's value is what the trainer will run with", file=sys.stderr)
+    return screen_setting(conf, command)
+
+
+def _explicit_shape(conf: ZenithtuneConf) -> dict[str, int]:
+    return {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length") if getattr(conf, k) is not None}
+
+
+def screen_setting(conf: ZenithtuneConf, command: list[str] | None = None) -> Setting:
+    """The small screen: the model's shape, the space and the bound memory model, nothing else (no
+    check of the command, no warning, no walk of the space). What a trial screened inside the entry
+    function needs (`screen_params`), and the end of `build_setting`."""
+    command = wrapped_command(conf) if command is None else command
+    model = modelinfo.resolve(explicit=_explicit_shape(conf), argv=command, model=conf.model)
+    if conf.model and model.name == "command":  # the command agrees with model= (preflight checks it): say which
         model = replace(model, name=conf.model)
-    from_cmd = modelinfo.from_argv(command)
-    for key, value in explicit.items():
-        theirs = getattr(from_cmd, key, None)
-        if not quiet and theirs is not None and int(theirs) != int(value):
-            print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
-                  f"the command's value is what the trainer will run with", file=sys.stderr)
     capacity, source = gpu_memory(conf, command)
     flags = facts(command)
     ctx = Context(n_gpus=conf.n_gpus, gbs=conf.gbs, model=model, mbs_max=conf.mbs_max,
@@ -156,31 +173,34 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
 def screen_params(conf: ZenithtuneConf) -> str | None:
     """Why this config's params must not be launched (rules, predicted OOM), or None.
 
-    Used by the entry function when a sweeper that cannot screen before launch drives it
-    (the stock `hydra/sweeper=optuna` baseline): the trial then fails fast instead of running."""
-    st = build_setting(conf, quiet=True)
+    Used by the entry function when a sweeper that cannot screen before launch drives it (the stock
+    `hydra/sweeper=optuna` baseline): the trial then fails fast instead of running. Only the small
+    screen is built: the command itself is the run's business."""
+    st = screen_setting(conf)
     broken = st.assess(st.space.normalize(trial_params(conf))).reasons
     return "; ".join(f"{rule}: {why}" for rule, why in broken) or None
 
 
-def build_job(conf: ZenithtuneConf, strategy_name: str | None = None) -> Job:
+def build_job(conf: ZenithtuneConf) -> Job:
     st = build_setting(conf)
     survey = Survey()
-    valid = list(st.space.walk(survey))
-    if not valid:
+    if not any(True for _ in st.space.walk(survey)):
         top = "; ".join(f"{rule} removed {n} (e.g. {survey.reasons[rule]})"
                         for rule, n in survey.removed.most_common(3))
         hint = " Choose a gbs that the data-parallel sizes divide." if "gbs" in survey.removed else ""
         raise UserError(f"no valid configuration for n_gpus={conf.n_gpus}, gbs={conf.gbs}: {top}.{hint}")
-    strategy = build(conf.strategy)
-    job = Job(command=st.command, ctx=st.ctx, space=st.space, memory=st.memory, memory_source=st.memory_source,
-              conf=conf, survey=survey, strategy=strategy, evaluator=build(conf.evaluator),
-              timeouts=timeouts(conf), strategy_name=strategy_name or type(strategy).__name__)
-    # The count is for the space report only: past a few thousand candidates (MoE on thousands of
-    # GPUs: tens of thousands) an evenly spaced sample says the same in a fraction of the start-up.
+    return Job(command=st.command, ctx=st.ctx, space=st.space, memory=st.memory, memory_source=st.memory_source,
+               strategy=build(conf.strategy), evaluator=build(conf.evaluator), timeouts=timeouts(conf))
+
+
+def space_report(setting: Setting) -> SpaceReport:
+    """The space report of a study about to start (the space's walk is replayed, not redone)."""
+    survey = Survey()
+    valid = list(setting.space.walk(survey))
+    # Past a few thousand candidates (MoE on thousands of GPUs: tens of thousands) an evenly spaced
+    # sample says the same in a fraction of the start-up.
     stride = max(1, len(valid) // OOM_COUNT_SAMPLE)
     sample = valid[::stride]
-    job.predicted_oom_count = round(sum(1 for c in sample if job.assess(c).predicted_oom) * len(valid) / len(sample))
-    job.predicted_oom_estimated = stride > 1
-    return job
+    count = round(sum(1 for c in sample if setting.assess(c).predicted_oom) * len(valid) / len(sample)) if valid else 0
+    return SpaceReport(survey=survey, predicted_oom=count, estimated=stride > 1)
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from zenithtune import record, settings, signals
 from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
-from zenithtune.job import Job, build_job
+from zenithtune.inject import inject
+from zenithtune.job import Job, build_job, space_report
 from zenithtune.loop import Pending, StudyLoop
 from zenithtune.overrides import hydra_quote, key, resume_command, value
 from zenithtune.processes import kill_leftovers
@@ -29,6 +31,7 @@ from zenithtune.progress import Progress
 from zenithtune.record import TRIAL_INFO, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
+from zenithtune.settings import ZenithtuneConf
 from zenithtune.tuned import tuned_yaml
 
 
@@ -43,7 +46,7 @@ def _head(path: Path) -> bytes:
         return f.read(16)
 
 
-def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
+def _open_ours(url: str, name: str, job: Job, conf: ZenithtuneConf) -> optuna.Study:
     """Open (or create) the study, refusing one zenithtune did not make, BEFORE anything is written
     into it: a storage error, an unreadable or foreign database, a multi-objective study or one that
     optimizes the other way is one line, and a foreign study never gets a trial of ours."""
@@ -61,7 +64,7 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
             if db.exists() and db.stat().st_size and _head(db) != b"SQLite format 3\x00":
                 raise UserError(f"{db} is not a SQLite database (truncated or overwritten?): "
                                 f"move it away or choose another storage= / --db-path")
-        storage = zstudy.open_storage(url, job.conf.heartbeat_interval, job.conf.heartbeat_grace)
+        storage = zstudy.open_storage(url, conf.heartbeat_interval, conf.heartbeat_grace)
         summaries = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
         existing = summaries.get(name)
         if existing is not None:
@@ -77,19 +80,19 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
                 raise UserError(f"study {name!r} in {where} was created to {theirs} but the evaluator wants to "
                                 f"{direction}: use a new storage")
         return zstudy.open_study(url, name, direction, job.strategy.sampler(),
-                                 heartbeat_interval=job.conf.heartbeat_interval, grace_period=job.conf.heartbeat_grace)
+                                 heartbeat_interval=conf.heartbeat_interval, grace_period=conf.heartbeat_grace)
     except ZenithtuneError:
         raise  # already one line (zenithtune.study says what is wrong with the storage)
     except (sqlalchemy.exc.SQLAlchemyError, ImportError, OSError, ValueError, RuntimeError) as err:
         raise _storage_error(url, err) from None
 
 
-def plain_command(job: Job) -> list[str]:
+def plain_command(command: list[str], preset: Mapping[str, Any], gbs: int) -> list[str]:
     """The command with every option the tuner injects taken out: what a resumed study must share."""
     from zenithtune.inject import inject
     from zenithtune.space import options_for
 
-    return inject(job.command, {o: None for o in options_for(job.conf.preset, {}, job.ctx.gbs)})
+    return inject(command, {o: None for o in options_for(preset, {}, gbs)})
 
 
 def command_difference(before: list[str], now: list[str]) -> str:
@@ -115,13 +118,13 @@ class StudyRunner:
 
     def sweep(self, arguments: list[str]) -> Any:
         conf = settings.load(self.config)
-        choices = HydraConfig.get().runtime.choices
-        job = build_job(conf, strategy_name=choices.get("strategy"))
+        job = build_job(conf)
+        # as the user selects it (strategy=heuristic), not the class behind it
+        self.strategy_name = HydraConfig.get().runtime.choices.get("strategy") or type(job.strategy).__name__
         self.arguments = [a for a in arguments if not key(a).startswith("params.")]
-        return self._run(job)
+        return self._run(job, conf)
 
-    def _run(self, job: Job) -> Any:
-        conf = job.conf
+    def _run(self, job: Job, conf: ZenithtuneConf) -> Any:
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         self.sweep_dir = sweep_dir
         url = zstudy.storage_url(conf.storage) if conf.storage else zstudy.default_storage(sweep_dir)
@@ -132,7 +135,7 @@ class StudyRunner:
         except OSError as err:
             raise UserError(f"cannot write the study folder {sweep_dir}: {err.strerror or err}; run from a writable "
                             f"folder or choose one (--output-dir / hydra.sweep.dir=...)") from None
-        study = _open_ours(url, conf.study_name, job)
+        study = _open_ours(url, conf.study_name, job, conf)
         # Only trials no live worker beats for are failed (a worker sharing the study keeps its own).
         # What a killed tuner's trial left running is found by its marker (the trial dir, see app.task) and
         # killed before anything is launched, so a retried candidate never runs twice at once.
@@ -140,11 +143,12 @@ class StudyRunner:
                                    on_stale=lambda n: kill_leftovers(str(sweep_dir / f"trial_{n}")))
         stale = liveness.fail_stale() + zstudy.close_waiting(study)
         prior = record.history(study)
-        self._remember(study, job, url)
+        self._remember(study, job, conf, url)
         progress = Progress(total=conf.n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
         best = zstudy.best(prior, job.evaluator.direction)
         used = record.budget_used(prior)
-        progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None, used=used)
+        progress.header(job, space_report(job), self.strategy_name, url, resumed=len(prior), stale=stale,
+                        best=best.value if best else None, used=used)
         loop = StudyLoop(job, study, callbacks=progress, max_consecutive_skips=self.max_consecutive_skips,
                          launch_batch=self._launch_wave, parallel=conf.parallel_trials, liveness=liveness)
         loop.start(prior)
@@ -154,14 +158,14 @@ class StudyRunner:
                 self._await_others(study, liveness)
         except KeyboardInterrupt:
             loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
-            self._finish(study, job, url, sweep_dir, progress, "interrupted")
+            self._finish(study, job, conf, url, sweep_dir, progress, "interrupted")
             progress.interrupted(url, self._resume_hint(url), signals.reason())
             stop = StudyInterrupted("")
             stop.exit_code = signals.exit_code()  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
             raise stop from None
         finally:
             liveness.stop()
-        return self._finish(study, job, url, sweep_dir, progress, why)
+        return self._finish(study, job, conf, url, sweep_dir, progress, why)
 
     @staticmethod
     def _await_others(study: optuna.Study, liveness: zstudy.Liveness) -> None:
@@ -172,20 +176,20 @@ class StudyRunner:
             time.sleep(min(1.0, liveness.interval))
             liveness.fail_stale()
 
-    def _remember(self, study: optuna.Study, job: Job, url: str) -> None:
+    def _remember(self, study: optuna.Study, job: Job, conf: ZenithtuneConf, url: str) -> None:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
         and the command as given (None = the config's default command)."""
         before = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
-        plain = plain_command(job)
+        plain = plain_command(job.command, conf.preset, job.ctx.gbs)
         new_study = "(another --db-path / storage)"
         for name, now in (("n_gpus", job.ctx.n_gpus), ("gbs", job.ctx.gbs)):
             if before.get(name) not in (None, now):  # its trials would not be comparable with these
                 raise UserError(f"the study in {zstudy.where(url)} was made for {name}={before[name]}, this run "
                                 f"says {name}={now}: resume with {name}={before[name]} or start a new study "
                                 f"{new_study}")
-        if before and before.get("model") != job.conf.model:
+        if before and before.get("model") != conf.model:
             raise UserError(f"the study in {zstudy.where(url)} was made for model={before.get('model')}, this run "
-                            f"says model={job.conf.model}: resume with the same model= or start a new study "
+                            f"says model={conf.model}: resume with the same model= or start a new study "
                             f"{new_study}")
         if before.get("plain_command") not in (None, plain):
             raise UserError(f"the study in {zstudy.where(url)} was made for another command ("
@@ -194,7 +198,7 @@ class StudyRunner:
         choices = HydraConfig.get().runtime.choices
         study.set_user_attr(zstudy.STUDY_ATTR, {
             "overrides": list(self.arguments), "command": environ_command(), "plain_command": plain,
-            "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": job.conf.model,
+            "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": conf.model,
             "preset": choices.get("preset"), "strategy": choices.get("strategy"),
             "metric": job.evaluator.metric_name})
 
@@ -258,8 +262,8 @@ class StudyRunner:
         out_dir = OmegaConf.select(hydra_cfg, "hydra.runtime.output_dir") if hydra_cfg is not None else None
         return record.read_run(Path(str(out_dir)) / TRIAL_INFO) if out_dir else None
 
-    def _finish(self, study: optuna.Study, job: Job, url: str, sweep_dir: Path, progress: Progress,
-                why: str) -> Outcome | None:
+    def _finish(self, study: optuna.Study, job: Job, conf: ZenithtuneConf, url: str, sweep_dir: Path,
+                progress: Progress, why: str) -> Outcome | None:
         outcomes = record.history(study)
         best = zstudy.best(outcomes, job.evaluator.direction)
         launched = record.launched(outcomes)
@@ -277,13 +281,20 @@ class StudyRunner:
         db = zstudy.db_path(url)
         out = db.parent if db else sweep_dir  # a journal or a server: this worker's own study folder
         out.mkdir(parents=True, exist_ok=True)
-        (out / "best.yaml").write_text(tuned_yaml(job, best, where, name=None))
+        model = conf.model or (job.ctx.model.name if job.ctx.model.name != "command" else None)
+        plain = inject(job.command, {o: None for o in job.space.options(best.candidate)})  # as the user wrote it
+
+        def tuned(name: str | None) -> str:
+            return tuned_yaml(best, command=plain, n_gpus=job.ctx.n_gpus, gbs=job.ctx.gbs, model=model,
+                              metric=job.evaluator.metric_name, strategy=self.strategy_name, study=where, name=name)
+
+        (out / "best.yaml").write_text(tuned(None))
         progress.wrote(out / "best.yaml")
-        name = job.conf.save_tuned
+        name = conf.save_tuned
         if name:
             target = Path.cwd() / "conf" / "tuned" / f"{name}.yaml"
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(tuned_yaml(job, best, where, name=str(name)))
+            target.write_text(tuned(str(name)))
             progress.wrote(target, f"commit it; apply: zenithtune apply --tuned {name} -- <your command>, "
                                    f"or python -m zenithtune tuned={name} -- <your command>")
         if why != "interrupted":
