@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
@@ -152,7 +153,7 @@ class HeuristicStrategy(Strategy):
         cap = self.judge.capacity_gb
         if share is not None and gb > share * cap:
             return False, f"{gb:.0f}/{cap:g} GB"
-        ooms = sum(1 for o in self.history if o.launched and o.kind == "oom")
+        ooms = sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
             if ooms >= self.max_ooms and not a.proven_fit:
@@ -191,9 +192,9 @@ class HeuristicStrategy(Strategy):
             oc = o.candidate
             if not o.launched or _lay(oc) != lay:
                 continue
-            if o.state == "failed" and o.kind not in ("oom", None):
+            if o.state == "failed" and o.kind not in (FailureKind.OOM, None):
                 return f"layout failed in trial {o.trial_number} ({o.kind})"
-            if o.kind == "oom" and _rec(oc) == rec and mbs >= oc.get("mbs", 1) and \
+            if o.kind == FailureKind.OOM and _rec(oc) == rec and mbs >= oc.get("mbs", 1) and \
                     c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
                     c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing"):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
@@ -281,7 +282,7 @@ class HeuristicStrategy(Strategy):
         if self.memory_probes <= 0 or self.max_ooms <= 0:
             return False
         launched = [o for o in self.history if o.launched]
-        if sum(1 for o in launched if o.kind == "oom") or \
+        if sum(1 for o in launched if o.kind == FailureKind.OOM) or \
                 sum(1 for o in self.history if o.probe) >= self.memory_probes:
             return False
         gb = self.judge.assess(c).predicted_gb

@@ -43,6 +43,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 
@@ -186,7 +187,7 @@ class StagedBlackboxStrategy(Strategy):
         """Once per `memory_probes`, never after an OOM, only just past the screen (`probe_reach`) and
         not when the learned memory model all but rules it out (`probe_risk`)."""
         if sum(1 for o in self.history if o.probe) >= self.memory_probes or \
-                any(o.launched and o.kind == "oom" for o in self.history):
+                any(o.launched and o.kind == FailureKind.OOM for o in self.history):
             return False
         a = self.judge.assess(c)
         return a.predicted_gb is not None and a.predicted_gb <= self.judge.capacity_gb * (1 + self.probe_reach) \
