@@ -49,8 +49,7 @@ import optuna  # noqa: E402
 from zenithtune import settings  # noqa: E402
 from zenithtune.job import Job, build_job  # noqa: E402
 from zenithtune.loop import Callbacks, Launched, StudyLoop  # noqa: E402
-from zenithtune.sim import simulate  # noqa: E402
-from zenithtune.sim.inprocess import launcher, sim_argv  # noqa: E402
+from zenithtune.sim import inprocess, simulate  # noqa: E402
 from zenithtune.study import best as called_best  # noqa: E402
 from zenithtune.validate import required_env  # noqa: E402
 
@@ -187,13 +186,18 @@ class Sweep:
     grid: StudyResult  # the grid baseline's row, read off the sweep
 
 
+def sim_argv(job: Job, cand: dict) -> list[str]:
+    """The simulator's own arguments for a candidate of this job (robustness.py uses it too)."""
+    return inprocess.sim_argv(job.command, job.space.options(cand))
+
+
 def sweep(sc: Scenario) -> Sweep:
     """Grid's order is least predicted memory first; what a grid study with a fresh memory model
     launches is every candidate it does not screen, so its row comes from this sweep without pushing
     thousands of trials through the loop (--grid-loop does that)."""
     started = time.time()
     job = make_job(sc, "grid", None, 1)
-    cands = sorted(job.space.walk(), key=lambda c: job.predict_gb(c) or 0.0)
+    cands = sorted(job.space.walk(), key=lambda c: job.assess(c).predicted_gb or 0.0)
     best, arg, sbest, sarg = 0.0, {}, 0.0, {}
     curve: list[float | None] = []
     hours: list[float] = []
@@ -201,7 +205,7 @@ def sweep(sc: Scenario) -> Sweep:
     for cand in cands:
         res = simulate(sim_argv(job, cand), required_env(job.space.layout(cand)))
         value = res.tflops if res.kind == "ok" and res.tflops else None
-        if not job.predicted_oom(cand):
+        if not job.assess(cand).predicted_oom:
             hours.append((hours[-1] if hours else 0.0) + res.wall_seconds * sc.n_gpus / 3600.0)
             failed += value is None
             if value is not None and (incumbent is None or value > incumbent):
@@ -241,7 +245,7 @@ def run_study(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> S
     job = make_job(sc, strategy, seed, n_trials)
     truth: dict[int, float] = {}  # trial number -> the simulator's steady-state TFLOP/s (no log jitter)
 
-    launch = launcher(job, truth=truth)
+    launch = inprocess.launcher(job.command, job.space, job.evaluator, truth=truth)
 
     study = optuna.create_study(storage=None, direction=job.evaluator.direction, sampler=job.strategy.sampler())
     trace = _Trace()
@@ -394,7 +398,7 @@ def parallel_study(sc: Scenario, strategy: str, seed: int | None, n_trials: int,
     job = make_job(sc, strategy, seed, n_trials)
     truth: dict[int, float] = {}
 
-    launch = launcher(job, truth=truth)
+    launch = inprocess.launcher(job.command, job.space, job.evaluator, truth=truth)
 
     def one(p) -> Launched:
         return launch(p.number, p.cand, None)

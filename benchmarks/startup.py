@@ -55,7 +55,7 @@ def one(model: str, n_gpus: int) -> dict:
     from hydra import compose, initialize_config_module
     from omegaconf import open_dict
 
-    from zenithtune.job import build_job
+    from zenithtune.job import build_job, space_report
 
     gbs = gbs_for(n_gpus)
     with initialize_config_module("zenithtune.conf"):
@@ -64,12 +64,14 @@ def one(model: str, n_gpus: int) -> dict:
         cfg.command = command(model, n_gpus, gbs)
     t1, c1 = time.perf_counter(), time.process_time()
     job = build_job(cfg)
+    report = space_report(job)  # the space report, part of every study's start
     t2, c2 = time.perf_counter(), time.process_time()
-    job.strategy.setup(job.space, job.memory, [])
+    job.strategy.setup(job, [])
     proposal = job.strategy.ask()
     t3, c3 = time.perf_counter(), time.process_time()
     return {"imports+compose": t1 - t0, "build_job": c2 - c1, "strategy setup+ask": c3 - c2,
-            "start": c3 - c1, "start_wall": t3 - t1, "build_job_wall": t2 - t1, "candidates": job.survey.total, "valid": job.survey.valid,
+            "start": c3 - c1, "start_wall": t3 - t1, "build_job_wall": t2 - t1, "candidates": report.survey.total,
+            "valid": report.survey.valid,
             "first": None if proposal is None else proposal.fixed}
 
 

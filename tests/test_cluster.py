@@ -85,6 +85,29 @@ def test_only_trials_of_dead_workers_are_failed(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal", "memory"])
+def test_optunas_private_storage_is_where_internals_reads_it(tmp_path, kind):
+    # Liveness and claims read what Optuna keeps private, all of it through study.Internals. Pinned to
+    # the Optuna series it was written for: an upgrade fails here first, with what to check.
+    assert optuna.__version__.startswith(zstudy.OPTUNA_WRITTEN_FOR), (
+        f"Optuna {optuna.__version__}: check zenithtune.study.Internals against it, then OPTUNA_WRITTEN_FOR")
+    url = {"sqlite": zstudy.storage_url(tmp_path / "s.db"), "journal": f"journal:{tmp_path}/s.journal"}.get(kind)
+    study = zstudy.open_study(url, "zt", "maximize", heartbeat_interval=60 if kind == "sqlite" else None) if url \
+        else optuna.create_study(study_name="zt")
+    internals = zstudy.Internals(study)
+    trial = study.ask()
+    trial_id = zstudy.Internals.trial_id(trial)
+    assert study._storage.get_trial(trial_id).number == trial.number  # the storage's public getters
+    assert internals.study_id == study._storage.get_study_id_from_name("zt")
+    assert internals.native_heartbeat() is (kind == "sqlite")
+    assert (internals.engine() is not None) is (kind == "sqlite")
+    assert internals.journal_file() == (tmp_path / "s.journal" if kind == "journal" else None)
+    internals.beat(trial_id, internals.native_heartbeat())
+    assert zstudy.BEAT_ATTR in study.get_trials()[0].system_attrs
+    internals.fail(trial_id)
+    assert study.get_trials()[0].state == TrialState.FAIL
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal", "memory"])
 def test_a_candidate_is_claimed_once(tmp_path, kind):
     url = {"sqlite": zstudy.storage_url(tmp_path / "s.db"), "journal": f"journal:{tmp_path}/s.journal"}.get(kind)
     study = zstudy.open_study(url, "zt", "maximize") if url else optuna.create_study()

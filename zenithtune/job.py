@@ -1,15 +1,19 @@
 """Everything a study needs that is fixed for its whole life, built once from the typed config.
 
 `build_job(conf)` checks the user's input (one clear line per problem), resolves the model shape, the
-GPU memory, the search space, the strategy, the evaluator and the memory model. The study loop asks
-`Job` for memory predictions and feeds it every outcome so the memory model learns.
+GPU memory, the search space, the strategy, the evaluator and the memory model. The setting is the
+judge of every candidate (`Setting.assess`): the study loop screens with it, the strategy reads it,
+and the loop feeds it every outcome (`Setting.observe`) so its memory model learns.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from zenithtune import modelinfo, preflight
+from zenithtune import modelinfo, preflight, traits
+from zenithtune.assessment import MEMORY_RULE, REFUSED_RULE, Assessment
 from zenithtune.command import facts, trainer_problem
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
@@ -18,7 +22,7 @@ from zenithtune.memory import DEFAULT_CAPACITY_GB, MemoryModel, gpu_capacity_gb
 from zenithtune.record import Outcome
 from zenithtune.run import FailureKind, command_problem
 from zenithtune.settings import TimeoutPolicy, ZenithtuneConf, build, timeouts, trial_params, wrapped_command
-from zenithtune.space import Candidate, Context, Space, Survey, mbs_values, policy_off
+from zenithtune.space import Context, Space, Survey, mbs_values, policy_off
 from zenithtune.strategies import Strategy
 
 # Memory of the GPUs the built-in simulator can play (`--sim-gpu`), as PyTorch reports it (GiB), so a
@@ -30,52 +34,83 @@ SIM_GPU_MEMORY_GB = {"h100": 79.1, "h200": 139.7, "a100-80g": 79.2, "a100-40g": 
 
 @dataclass
 class Setting:
-    """The job's fixed facts, checked: what both a study and a screened single trial need."""
+    """The job's fixed facts, checked, and the judge of every candidate: what both a study and a
+    screened single trial need.
+
+    `assess(cand)` is the one answer to "what do we know about this candidate?" (`Assessment`): the
+    rules, the memory model's prediction, risk and proofs of fit, the features the trainer refused.
+    Answers are memoised per candidate and forgotten whenever `observe` teaches something, so teach
+    the memory model through `observe` only."""
 
     command: list[str]
     ctx: Context
     space: Space
     memory: MemoryModel
     memory_source: str  # where the GPU's capacity came from, for the report
+    refused: list[traits.Trait] = field(default_factory=list)  # features the trainer refused
+    _assessed: dict[tuple, Assessment] = field(default_factory=dict, init=False, repr=False)
 
-    def predict_gb(self, cand: Candidate) -> float | None:
-        return self.memory.predict(**self.space.memory_args(cand))
+    @property
+    def capacity_gb(self) -> float:
+        return self.memory.capacity_gb
 
-    def predicted_oom(self, cand: Candidate) -> str | None:
-        return self.memory.predicted_oom(**self.space.memory_args(cand))
+    def assess(self, cand: Mapping[str, Any]) -> Assessment:
+        key = self.space.key(cand)
+        found = self._assessed.get(key)
+        if found is None:
+            found = self._assessed[key] = self._assess(cand)
+        return found
 
-    def screen(self, cand: Candidate) -> list[tuple[str, str]]:
-        """(rule, reason) pairs that keep a candidate from being launched: Megatron's rules, then
-        the memory estimate. Empty: launch it."""
-        broken = self.space.reasons(cand)
-        if broken:
-            return broken
-        oom = self.predicted_oom(cand)
-        return [("predicted_oom", oom)] if oom else []
+    def _assess(self, cand: Mapping[str, Any]) -> Assessment:
+        lay = self.space.layout(cand)
+        mem = self.memory.verdict(lay, self.space.vit_checkpointing(cand))
+        reasons = self.space.reasons(cand)  # the job's choices, Megatron's rules, the policies
+        if not reasons and mem.oom:
+            reasons = [(MEMORY_RULE, mem.oom)]
+        if not reasons and self.refused:
+            options = self.space.options(cand)
+            reasons = [(REFUSED_RULE, t.describe()) for t in self.refused if t.matches(options)][:1]
+        return Assessment(layout=lay, reasons=tuple(reasons), predicted_gb=mem.predicted_gb, sd=mem.sd,
+                          oom_risk=mem.oom_risk, proven_fit=mem.proven_fit, predicted_oom=mem.oom)
+
+    def observe(self, o: Outcome) -> None:
+        """Learn from a launched trial: its memory evidence, and a feature the trainer refused."""
+        if not o.launched:
+            return
+        self._assessed.clear()
+        lay, vit = self.space.layout(o.candidate), self.space.vit_checkpointing(o.candidate)
+        if o.state == "complete":
+            self.memory.observe_success(lay, o.measured_gb, reserved_gb=o.reserved_gb, vit_checkpointing=vit)
+        elif o.kind == FailureKind.OOM.value:
+            self.memory.observe_oom(lay, needed_gb=o.needed_gb, vit_checkpointing=vit)
+        trait = self.refusal(o)
+        if trait is not None:
+            self.refused.append(trait)
+
+    def refusal(self, o: Outcome) -> traits.Trait | None:
+        """The injected features a failed launch's message says the trainer refused."""
+        if not o.launched or o.state != "failed" or o.kind not in (FailureKind.CRASH.value,
+                                                                 FailureKind.INVALID_ARGS.value):
+            return None
+        return traits.refused(" ".join(o.reasons), self.space.options(o.candidate), o.trial_number)
 
 
 @dataclass
 class Job(Setting):
     """A study's setting plus what searches it: the strategy, the evaluator, the time limits."""
 
-    conf: ZenithtuneConf
-    survey: Survey
-    strategy: Strategy
-    evaluator: Evaluator
-    timeouts: TimeoutPolicy
-    strategy_name: str = ""  # as the user selects it (strategy=heuristic), not the class behind it
-    predicted_oom_count: int = 0
-    predicted_oom_estimated: bool = False  # the count comes from a sample of the valid candidates
+    strategy: Strategy = field(kw_only=True)
+    evaluator: Evaluator = field(kw_only=True)
+    timeouts: TimeoutPolicy = field(kw_only=True)
 
-    def observe(self, o: Outcome) -> None:
-        """Learn from a launched trial's memory evidence."""
-        if not o.launched:
-            return
-        args = self.space.memory_args(o.candidate)
-        if o.state == "complete":
-            self.memory.observe_success(measured_peak_gb=o.measured_gb, reserved_gb=o.reserved_gb, **args)
-        elif o.kind == FailureKind.OOM.value:
-            self.memory.observe_oom(needed_gb=o.needed_gb, **args)
+
+@dataclass(frozen=True)
+class SpaceReport:
+    """What the start of a study says about its space (`Progress.header`)."""
+
+    survey: Survey  # how the rules shrank the space
+    predicted_oom: int  # valid candidates the memory model screens before any launch
+    estimated: bool  # ... counted on an evenly spaced sample of them
 
 
 def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:
@@ -89,6 +124,8 @@ def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:
 
 
 def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
+    """A study's (or a single run's) setting: the user's input checked first, one clear line per
+    problem, then `screen_setting`."""
     if not mbs_values(conf.mbs_max, conf.gbs):
         raise UserError(f"gbs={conf.gbs} is not divisible by any micro-batch size 1..{conf.mbs_max}")
     command = wrapped_command(conf)
@@ -98,61 +135,73 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
     preflight.check_command(command, n_gpus=conf.n_gpus, evaluator_target=str(conf.evaluator.get("_target_", "")))
     if conf.model:
         preflight.check_model(command, conf.model)
-    explicit = {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length")
-                if getattr(conf, k) is not None}
-    model = modelinfo.resolve(explicit=explicit, argv=command, model=conf.model)
-    if conf.model and model.name == "command":  # the command agrees with model= (checked above): say which
+    if not quiet:
+        from_cmd = modelinfo.from_argv(command)
+        for key, value in _explicit_shape(conf).items():
+            theirs = getattr(from_cmd, key, None)
+            if theirs is not None and int(theirs) != int(value):
+                print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
+                      f"the command's value is what the trainer will run with", file=sys.stderr)
+    return screen_setting(conf, command)
+
+
+def _explicit_shape(conf: ZenithtuneConf) -> dict[str, int]:
+    return {k: getattr(conf, k) for k in ("num_layers", "num_query_groups", "seq_length") if getattr(conf, k) is not None}
+
+
+def screen_setting(conf: ZenithtuneConf, command: list[str] | None = None) -> Setting:
+    """The small screen: the model's shape, the space and the bound memory model, nothing else (no
+    check of the command, no warning, no walk of the space). What a trial screened inside the entry
+    function needs (`screen_params`), and the end of `build_setting`."""
+    command = wrapped_command(conf) if command is None else command
+    model = modelinfo.resolve(explicit=_explicit_shape(conf), argv=command, model=conf.model)
+    if conf.model and model.name == "command":  # the command agrees with model= (preflight checks it): say which
         model = replace(model, name=conf.model)
-    from_cmd = modelinfo.from_argv(command)
-    for key, value in explicit.items():
-        theirs = getattr(from_cmd, key, None)
-        if not quiet and theirs is not None and int(theirs) != int(value):
-            print(f"zenithtune: warning: {key}={value} is used for pruning but the command says {theirs}; "
-                  f"the command's value is what the trainer will run with", file=sys.stderr)
     capacity, source = gpu_memory(conf, command)
     flags = facts(command)
     ctx = Context(n_gpus=conf.n_gpus, gbs=conf.gbs, model=model, mbs_max=conf.mbs_max,
-                  gpus_per_node=conf.gpus_per_node, gpu_memory_gb=capacity,
-                  distributed_optimizer=flags.distributed_optimizer,
-                  vlm_full_uniform_only=bool(conf.preset.get("vlm_full_uniform_only", True)),
+                  gpus_per_node=conf.gpus_per_node, vlm_full_uniform_only=bool(conf.preset.get("vlm_full_uniform_only", True)),
                   flags=flags, policy_off=policy_off(conf.prune))
     space = Space.from_preset(conf.preset, ctx)
     # Megatron's default attention (flash / fused) never stores the s x s scores; the unfused and
     # local backends do, which changes the activation estimate.
     flash = find_option(command, "--attention-backend") not in ("unfused", "local")
-    memory = MemoryModel(capacity, safety_margin=conf.memory_safety_margin,
-                         distributed_optimizer=ctx.distributed_optimizer, flash_attention=flash)
+    memory = MemoryModel(model, capacity, distributed_optimizer=flags.distributed_optimizer,
+                         flash_attention=flash, margin=conf.memory_safety_margin)
     return Setting(command, ctx, space, memory, source)
 
 
 def screen_params(conf: ZenithtuneConf) -> str | None:
     """Why this config's params must not be launched (rules, predicted OOM), or None.
 
-    Used by the entry function when a sweeper that cannot screen before launch drives it
-    (the stock `hydra/sweeper=optuna` baseline): the trial then fails fast instead of running."""
-    st = build_setting(conf, quiet=True)
-    broken = st.screen(st.space.normalize(trial_params(conf)))
+    Used by the entry function when a sweeper that cannot screen before launch drives it (the stock
+    `hydra/sweeper=optuna` baseline): the trial then fails fast instead of running. Only the small
+    screen is built: the command itself is the run's business."""
+    st = screen_setting(conf)
+    broken = st.assess(st.space.normalize(trial_params(conf))).reasons
     return "; ".join(f"{rule}: {why}" for rule, why in broken) or None
 
 
-def build_job(conf: ZenithtuneConf, strategy_name: str | None = None) -> Job:
+def build_job(conf: ZenithtuneConf) -> Job:
     st = build_setting(conf)
     survey = Survey()
-    valid = list(st.space.walk(survey))
-    if not valid:
+    if not any(True for _ in st.space.walk(survey)):
         top = "; ".join(f"{rule} removed {n} (e.g. {survey.reasons[rule]})"
                         for rule, n in survey.removed.most_common(3))
         hint = " Choose a gbs that the data-parallel sizes divide." if "gbs" in survey.removed else ""
         raise UserError(f"no valid configuration for n_gpus={conf.n_gpus}, gbs={conf.gbs}: {top}.{hint}")
-    strategy = build(conf.strategy)
-    job = Job(command=st.command, ctx=st.ctx, space=st.space, memory=st.memory, memory_source=st.memory_source,
-              conf=conf, survey=survey, strategy=strategy, evaluator=build(conf.evaluator),
-              timeouts=timeouts(conf), strategy_name=strategy_name or type(strategy).__name__)
-    # The count is for the space report only: past a few thousand candidates (MoE on thousands of
-    # GPUs: tens of thousands) an evenly spaced sample says the same in a fraction of the start-up.
+    return Job(command=st.command, ctx=st.ctx, space=st.space, memory=st.memory, memory_source=st.memory_source,
+               strategy=build(conf.strategy), evaluator=build(conf.evaluator), timeouts=timeouts(conf))
+
+
+def space_report(setting: Setting) -> SpaceReport:
+    """The space report of a study about to start (the space's walk is replayed, not redone)."""
+    survey = Survey()
+    valid = list(setting.space.walk(survey))
+    # Past a few thousand candidates (MoE on thousands of GPUs: tens of thousands) an evenly spaced
+    # sample says the same in a fraction of the start-up.
     stride = max(1, len(valid) // OOM_COUNT_SAMPLE)
     sample = valid[::stride]
-    job.predicted_oom_count = round(sum(1 for c in sample if job.predicted_oom(c)) * len(valid) / len(sample))
-    job.predicted_oom_estimated = stride > 1
-    return job
+    count = round(sum(1 for c in sample if setting.assess(c).predicted_oom) * len(valid) / len(sample)) if valid else 0
+    return SpaceReport(survey=survey, predicted_oom=count, estimated=stride > 1)
 

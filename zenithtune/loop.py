@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 import optuna
 from optuna.trial import TrialState
 
-from zenithtune import record, signals, traits
+from zenithtune import record, signals
 from zenithtune import study as zstudy
+from zenithtune.assessment import MEMORY_RULE
 from zenithtune.evaluate import below_precision
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
@@ -93,7 +94,6 @@ class StudyLoop:
         self.measured: dict[tuple, Outcome] = {}
         self.outcomes: list[Outcome] = []
         self.durations: list[float] = []  # successful trials' wall times (dynamic timeouts)
-        self.refused: list[traits.Trait] = []  # features the trainer refused: candidates carrying one are pruned
         self.waves = 0
         self._known: set[int] = set()  # trial numbers the strategy has been told about
         self._open: dict[int, optuna.Trial] = {}  # asked here, not yet told
@@ -105,18 +105,12 @@ class StudyLoop:
         # it and the duplicate check does not count it, so the candidate may be launched again.
         self._known |= {o.trial_number for o in prior if o.trial_number is not None}
         prior = [o for o in prior if o.kind not in _NOTHING_MEASURED]
-        strategy = self.job.strategy
-        strategy.direction = self.job.evaluator.direction
-        strategy.metric = self.job.evaluator.metric_name
-        strategy.setup(self.job.space, self.job.memory, prior)
+        self.job.strategy.setup(self.job, prior, self.job.evaluator.direction, self.job.evaluator.metric_name)
         for o in prior:
             self._learn(o)
 
     def _learn(self, o: Outcome) -> None:
-        self.job.observe(o)
-        trait = self._refusal(o)
-        if trait is not None:
-            self.refused.append(trait)
+        self.job.observe(o)  # the judge learns (memory, refused features) before the strategy is told
         if o.launched:
             self.measured[self.job.space.key(o.candidate)] = o
             if o.ok and o.duration:
@@ -174,7 +168,8 @@ class StudyLoop:
             stop: str | None = None
             width = 1 if strategy.sequential else self.parallel
             while len(wave) < min(width, n_trials - used):
-                proposal, retry_of = self.retries.pop(0) if self.retries else (strategy.ask(), None)
+                # a cancelled Slurm trial's retry first; the next ask proposes something else than the wave
+                proposal, retry_of = self.retries.pop(0) if self.retries else (strategy.ask([p.cand for p in wave]), None)
                 if proposal is None:
                     exhausted = True
                     break
@@ -202,14 +197,12 @@ class StudyLoop:
                 trial.set_user_attr(Attr.LAUNCHED, True)
                 if retry_of is not None:
                     trial.set_user_attr(Attr.RETRY_OF, retry_of)
-                strategy.pending.append(cand)  # the next ask() proposes something else
                 wave.append(Pending(trial, cand, proposal, self.job.timeouts.limit(self.durations),
                                     n=used + len(wave) + 1))
             if not wave:
                 if exhausted or stop:
                     return stop or "strategy exhausted"
                 continue
-            strategy.pending.clear()
             launched += len(wave)
             self._launch_wave(wave)  # an exhausted strategy may have more to say once it knows the results
             if stop:
@@ -234,20 +227,12 @@ class StudyLoop:
             p.trial.set_user_attr(Attr.REASONS, ["not launched: the study's budget was used by other workers"])
             self.study.tell(p.trial, state=TrialState.PRUNED)
             self._close(p.number)
-        self.job.strategy.pending.clear()
 
     def _close(self, number: int) -> None:
         self._open.pop(number, None)
         self._known.add(number)
         if self.liveness is not None:
             self.liveness.release(number)
-
-    def _refusal(self, o: Outcome) -> traits.Trait | None:
-        """The injected features a failed launch's message says the trainer refused."""
-        if not o.launched or o.state != "failed" or o.kind not in (FailureKind.CRASH.value,
-                                                                 FailureKind.INVALID_ARGS.value):
-            return None
-        return traits.refused(" ".join(o.reasons), self.job.space.options(o.candidate), o.trial_number)
 
     # --- one proposal ------------------------------------------------------------------------------
     def _ask(self, proposal: Proposal) -> tuple[optuna.Trial, dict]:
@@ -284,14 +269,12 @@ class StudyLoop:
     def _screen(self, trial: optuna.Trial, cand: dict, proposal: Proposal) -> Outcome | None:
         """Record and return the outcome of a candidate that must not be launched; None to launch."""
         job = self.job
-        predicted = job.predict_gb(cand)
+        verdict = job.assess(cand)  # the judge: rules, policies, memory, refused features
+        predicted = verdict.predicted_gb
         if predicted is not None:
             trial.set_user_attr(Attr.PREDICTED_GB, round(predicted, 2))
-        broken = job.screen(cand)
-        if not broken:
-            options = job.space.options(cand)
-            broken = [("refused", t.describe()) for t in self.refused if t.matches(options)][:1]
-        if broken and broken[0][0] == "predicted_oom" and proposal.probe_memory:
+        broken = list(verdict.reasons)
+        if broken and broken[0][0] == MEMORY_RULE and proposal.probe_memory:
             trial.set_user_attr(Attr.MEMORY_PROBE, broken[0][1])  # launched on purpose; the outcome teaches
             broken = []
         dup = self.measured.get(job.space.key(cand))
@@ -395,7 +378,7 @@ class StudyLoop:
             if res.kind == FailureKind.TIMEOUT.value and self.job.timeouts.is_dynamic_cut(p.limit):
                 reason = f"cut at the dynamic limit {p.limit:.1f} s (from the fastest success): {reason}"
             outcome = replace(outcome, kind=res.kind or FailureKind.CRASH.value, reasons=[reason])
-            if self._refusal(outcome) is not None:  # a trait of the configuration, not bad luck
+            if self.job.refusal(outcome) is not None:  # a trait of the configuration, not bad luck
                 outcome = replace(outcome, kind=FailureKind.INVALID_ARGS.value)
             record.store(p.trial, outcome)
             self.study.tell(p.trial, state=TrialState.FAIL, skip_if_finished=True)

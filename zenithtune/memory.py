@@ -40,11 +40,11 @@ import math
 import statistics
 import subprocess
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from zenithtune.modelinfo import ModelInfo
+from zenithtune.shape import Shape
 from zenithtune.validate import Layout
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,6 @@ DEFAULT_OVERHEAD_GB = 4.0  # CUDA context + NCCL/workspace buffers, per GPU
 FRAGMENTATION = 0.10  # the caching allocator reserves this much more than it hands out (share of allocated)
 DEFAULT_SAFETY_MARGIN = 0.02  # prune only above capacity x (1 + margin); tuned in benchmarks/memory_accuracy.py
 DEFAULT_CAPACITY_GB = 80.0  # H100 / A100-80GB when nothing else is known
-_ASSUMED_SEQ = 4096  # when the command does not say --seq-length
-_ASSUMED_VOCAB = 131072  # when the vocab comes from a tokenizer we cannot see
 _ASSUMED_VISION_PARAMS = 600e6  # a VLM whose vision tower we know nothing about
 _LOGIT_BYTES = 6  # bf16 logits + their fp32 copy for the vocab-parallel cross entropy coexist at the peak
 _REPLICATED_WITHOUT_SP = 10  # Korthikanti: bytes/(s·b·h) that TP does not split without SP
@@ -93,75 +91,40 @@ class MemoryEstimate:
                 f"overhead {self.overhead_gb:.1f}{where}")
 
 
-@dataclass(frozen=True)
-class _Shape:
-    L: int
-    h: int
-    a: int
-    g: int
-    d: int  # head dim
-    F: int  # dense ffn width
-    V: int  # vocab before padding
-    s: int
-    E: int  # experts (0 = dense)
-    k: int  # router top-k
-    Fm: int  # expert ffn width
-    Fs: int  # shared-expert ffn width (total)
-    n_moe: int  # MoE layers
-    glu: bool
-    tied: bool
+# --- one layer of the shape: parameters, and activation bytes per token (s·b) before TP/CP splits --
+def _attn_params(sh: Shape) -> int:
+    return sh.h * sh.d * (2 * sh.a + 2 * sh.g)  # Q, K, V (GQA) and the output projection
 
-    @classmethod
-    def of(cls, m: ModelInfo) -> _Shape | None:
-        if not m.num_layers or not m.hidden_size:
-            return None
-        h = m.hidden_size
-        a = m.num_attention_heads or max(1, h // 128)
-        d = m.head_dim or h // a
-        glu = m.swiglu is not False
-        F = m.ffn_hidden_size or (int(8 * h / 3 / 64) * 64 if glu else 4 * h)
-        E = (m.num_experts or 0) if m.is_moe else 0
-        freq = m.moe_layer_freq or 1
-        return cls(L=m.num_layers, h=h, a=a, g=m.num_query_groups or a, d=d, F=F,
-                   V=m.vocab_size or _ASSUMED_VOCAB, s=m.seq_length or _ASSUMED_SEQ, E=E,
-                   k=(m.moe_router_topk or 2) if E else 0, Fm=(m.moe_ffn_hidden_size or F) if E else 0,
-                   Fs=(m.moe_shared_expert_size or 0) if E else 0,
-                   n_moe=math.ceil(m.num_layers / freq) if E else 0, glu=glu,
-                   tied=m.tie_embeddings is not False)
 
-    # parameters ---------------------------------------------------------------------------------
-    @property
-    def attn_params(self) -> int:
-        return self.h * self.d * (2 * self.a + 2 * self.g)  # Q, K, V (GQA) and the output projection
+def _mlp_params(sh: Shape, width: int) -> int:
+    return sh.mlp_mats * sh.h * width
 
-    def mlp_params(self, width: int) -> int:
-        return (3 if self.glu else 2) * self.h * width
 
-    # activations, bytes per token (s·b) of one layer before TP/CP splits --------------------------
-    @property
-    def attn_act(self) -> float:
-        # Korthikanti's 11·h + 4·h for the two norms; Q/K/V/output at their real widths (GQA)
-        return (7 + 4 * self.a * self.d / self.h + 4 * self.g * self.d / self.h) * self.h
+def _attn_act(sh: Shape) -> float:
+    # Korthikanti's 11·h + 4·h for the two norms; Q/K/V/output at their real widths (GQA)
+    return (7 + 4 * sh.a * sh.d / sh.h + 4 * sh.g * sh.d / sh.h) * sh.h
 
-    def mlp_act(self, moe: bool) -> float:
-        per_width = 6 if self.glu else 4  # fc1 output(s) + activation output, bf16
-        if not moe:
-            return (3 + per_width * self.F / self.h) * self.h
-        # every routed copy keeps its permuted input, its ffn intermediates and its output (the
-        # prob-weighted combine needs it); the router keeps fp32 logits and probabilities
-        routed = self.routed_act() / self.h
-        router = 8 * self.E / self.h
-        return (3 + routed + router + per_width * self.Fs / self.h) * self.h
 
-    def routed_act(self) -> float:
-        """The part of a MoE layer's mlp_act held per routed copy (permuted input, expert intermediates,
-        output): what the token dispatcher and grouped GEMMs of a given build allocate."""
-        per_width = 6 if self.glu else 4
-        return self.k * (4 + per_width * self.Fm / self.h) * self.h
+def _mlp_act(sh: Shape, moe: bool) -> float:
+    per_width = 6 if sh.glu else 4  # fc1 output(s) + activation output, bf16
+    if not moe:
+        return (3 + per_width * sh.F / sh.h) * sh.h
+    # every routed copy keeps its permuted input, its ffn intermediates and its output (the
+    # prob-weighted combine needs it); the router keeps fp32 logits and probabilities
+    routed = _routed_act(sh) / sh.h
+    router = 8 * sh.E / sh.h
+    return (3 + routed + router + per_width * sh.Fs / sh.h) * sh.h
 
-    @property
-    def score_act(self) -> float:
-        return 5 * self.a * self.s  # softmax, its dropout mask and output, per token (no flash)
+
+def _routed_act(sh: Shape) -> float:
+    """The part of a MoE layer's _mlp_act held per routed copy (permuted input, expert intermediates,
+    output): what the token dispatcher and grouped GEMMs of a given build allocate."""
+    per_width = 6 if sh.glu else 4
+    return sh.k * (4 + per_width * sh.Fm / sh.h) * sh.h
+
+
+def _score_act(sh: Shape) -> float:
+    return 5 * sh.a * sh.s  # softmax, its dropout mask and output, per token (no flash)
 
 
 def _padded_vocab(V: int, tp: int) -> int:
@@ -169,57 +132,67 @@ def _padded_vocab(V: int, tp: int) -> int:
     return -(-V // step) * step
 
 
-def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = True,
-             vit_checkpointing: bool | None = None, overhead_gb: float = DEFAULT_OVERHEAD_GB,
-             flash_attention: bool = True) -> MemoryEstimate | None:
-    """Peak per-GPU memory of `layout` training `model`, or None when the shape is too unknown.
+# --- the parts of one stage's peak ----------------------------------------------------------------
+@dataclass(frozen=True)
+class _Params:
+    """Parameters on one GPU of a pipeline stage, by where they live."""
 
-    `vit_checkpointing` None means ms-swift's default (on). `flash_attention` False for Megatron's
-    `--attention-backend unfused|local` (attention scores are then stored unless recomputed). See
-    the module docstring for what is approximate."""
-    sh = _Shape.of(model)
-    if sh is None:
-        return None
-    t, p, c = max(1, layout.tp), max(1, layout.pp), max(1, layout.cp)
+    dense: float  # attention, dense MLPs, shared experts and the (replicated) router of the stage's layers
+    experts: float  # routed experts (sharded over EP x ETP; their optimizer over the expert-data-parallel ranks)
+    emb: float  # one embedding (or output layer) shard
+    vision: float  # a VLM's vision tower (first stage, not TP-sharded)
+
+
+def _params(sh: Shape, layout: Layout, model: ModelInfo) -> _Params:
+    t, p = max(1, layout.tp), max(1, layout.pp)
     et, ep = max(1, layout.expert_tp), max(1, layout.ep)
-    dc = max(1, layout.n_gpus // (t * p))  # the optimizer shards over dp·cp
-    edp = max(1, layout.expert_dp)
-    Vp = _padded_vocab(sh.V, t)
-
-    # --- parameters on one GPU of a stage -------------------------------------------------------
     layers = sh.L / p
     moe_layers = sh.n_moe / p
     dense_layers = layers - moe_layers
-    dense = (layers * sh.attn_params + dense_layers * sh.mlp_params(sh.F)
-             + moe_layers * sh.mlp_params(sh.Fs)) / t + moe_layers * sh.h * sh.E  # router replicated
-    experts = moe_layers * sh.E * sh.mlp_params(sh.Fm) / (et * ep) if sh.E else 0.0
-    emb = Vp * sh.h / t
-    vision = 0.0
-    hv = model.vision_hidden_size or 1280
-    lv = model.vision_num_layers or 32
-    fv = model.vision_ffn_hidden_size or 4 * hv
-    if model.is_vlm:
-        if model.vision_params:
-            vision = float(model.vision_params)
-        elif model.vision_num_layers and model.vision_hidden_size:
-            vision = float(lv * (4 * hv * hv + 2 * hv * fv))
-        else:
-            vision = _ASSUMED_VISION_PARAMS
+    dense = (layers * _attn_params(sh) + dense_layers * _mlp_params(sh, sh.F)
+             + moe_layers * _mlp_params(sh, sh.Fs)) / t + moe_layers * sh.h * sh.E  # router replicated
+    experts = moe_layers * sh.E * _mlp_params(sh, sh.Fm) / (et * ep) if sh.E else 0.0
+    return _Params(dense=dense, experts=experts, emb=_padded_vocab(sh.V, t) * sh.h / t,
+                   vision=_vision_params(sh, model))
 
-    # --- activations ----------------------------------------------------------------------------
-    b = layout.mbs
-    tokens = sh.s * b / c  # per rank
+
+def _vision_params(sh: Shape, model: ModelInfo) -> float:
+    if not model.is_vlm:
+        return 0.0
+    if model.vision_params:
+        return float(model.vision_params)
+    if model.vision_num_layers and model.vision_hidden_size:
+        hv, fv = sh.vision_hidden, sh.vision_ffn
+        return float(sh.vision_layers * (4 * hv * hv + 2 * hv * fv))
+    return _ASSUMED_VISION_PARAMS
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """Activation bytes of the text layers of one stage, for one micro-batch."""
+
+    tokens: float  # tokens per rank per micro-batch
+    per_mb: float  # kept from the forward until the backward
+    working: float  # held once while a fully recomputed chunk runs again
+    per_mb_routed: float  # the MoE routed copies' part of per_mb
+    working_routed: float  # ... and of working
+
+
+def _activations(sh: Shape, layout: Layout, flash_attention: bool) -> _Activations:
+    t, p, c = max(1, layout.tp), max(1, layout.pp), max(1, layout.cp)
+    layers = sh.L / p
+    tokens = sh.s * layout.mbs / c  # per rank
     split = t if layout.sp_active or t == 1 else None
 
     def layer_act(moe: bool, scores: bool) -> float:
-        total = sh.attn_act + sh.mlp_act(moe) + (sh.score_act if scores else 0.0)
+        total = _attn_act(sh) + _mlp_act(sh, moe) + (_score_act(sh) if scores else 0.0)
         if split is None:  # TP without SP keeps the norms' and inputs' activations whole
             rep = _REPLICATED_WITHOUT_SP * sh.h
             return tokens * (rep + (total - rep) / t)
         return tokens * total / split
 
     def routed(moe: bool) -> float:  # the routed part of layer_act (TP splits it like the rest)
-        return tokens * sh.routed_act() / (split or t) if moe and sh.E else 0.0
+        return tokens * _routed_act(sh) / (split or t) if moe and sh.E else 0.0
 
     gran = layout.recompute_granularity
     moe_frac = sh.n_moe / sh.L
@@ -243,43 +216,76 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
     else:
         per_mb = layers * stored_layer
         per_mb_routed, working_routed = layers * routed_layer, 0.0
+    return _Activations(tokens=tokens, per_mb=per_mb, working=working, per_mb_routed=per_mb_routed,
+                        working_routed=working_routed)
 
+
+def _vision_act(sh: Shape, model: ModelInfo, mbs: int, vit_checkpointing: bool | None) -> float:
+    if not model.is_vlm:
+        return 0.0
+    hv, fv, lv = sh.vision_hidden, sh.vision_ffn, sh.vision_layers
+    # vision patches per sample: as stated, else about one per text position; CP does not split it
+    v_tokens = sh.vision_tokens * mbs
+    v_layer = v_tokens * hv * (18 + 4 * fv / hv)  # Korthikanti's 34 at fv = 4·hv (flash, no dropout masks kept)
+    ckpt = True if vit_checkpointing is None else vit_checkpointing
+    return (lv * 2 * v_tokens * hv + v_layer) if ckpt else lv * v_layer
+
+
+def _stage(layout: Layout, params_dense: float, params_expert: float, act: float, name: str, *, routed_act: float,
+           logits_act: float, distributed_optimizer: bool, overhead_gb: float) -> MemoryEstimate:
+    """One stage's peak from its parameters and activations (bytes): 2 + 4 bytes per parameter for the
+    bf16 weight and fp32 grad, 12 for fp32 master + Adam (sharded with the distributed optimizer)."""
+    t, p = max(1, layout.tp), max(1, layout.pp)
+    dc = max(1, layout.n_gpus // (t * p))  # the optimizer shards over dp·cp
+    edp = max(1, layout.expert_dp)
+    opt_dense = 12 / dc if distributed_optimizer else 12
+    opt_expert = 12 / edp if distributed_optimizer else 12
+    total_params = params_dense + params_expert
+    optimizer = opt_dense * params_dense + opt_expert * params_expert
+    allocated = 6 * total_params + optimizer + act
+    return MemoryEstimate(
+        weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB, optimizer_gb=optimizer / GIB,
+        activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name,
+        expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB,
+        full_recompute=layout.recompute_granularity == "full")
+
+
+def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = True,
+             vit_checkpointing: bool | None = None, overhead_gb: float = DEFAULT_OVERHEAD_GB,
+             flash_attention: bool = True) -> MemoryEstimate | None:
+    """Peak per-GPU memory of `layout` training `model`, or None when the shape is too unknown.
+
+    `vit_checkpointing` None means ms-swift's default (on). `flash_attention` False for Megatron's
+    `--attention-backend unfused|local` (attention scores are then stored unless recomputed). See
+    the module docstring for what is approximate. The busier of the first stage (embedding, vision
+    tower, the most micro-batches in flight) and the last (output layer, logits) is the peak."""
+    sh = Shape.of(model)
+    if sh is None:
+        return None
+    t, p = max(1, layout.tp), max(1, layout.pp)
+    par = _params(sh, layout, model)
+    act = _activations(sh, layout, flash_attention)
+    vision_act = _vision_act(sh, model, layout.mbs, vit_checkpointing)
+    logits = _LOGIT_BYTES * act.tokens * _padded_vocab(sh.V, t) / t
     m = layout.microbatches or p
-    in_flight: float = min(p, m) if p > 1 else 1
+    in_flight: float = min(p, m) if p > 1 else 1  # 1F1B: micro-batches the first stage holds
     v = layout.virtual_stages(sh.L)
     if p > 1 and v > 1:
         in_flight *= 1 + (p - 1) / (p * v)
-    logits = _LOGIT_BYTES * tokens * Vp / t
-
-    vision_act = 0.0
-    if model.is_vlm:
-        # vision patches per sample: as stated, else about one per text position; CP does not split it
-        v_tokens = (model.vision_seq_length or sh.s) * b
-        v_layer = v_tokens * hv * (18 + 4 * fv / hv)  # Korthikanti's 34 at fv = 4·hv (flash, no dropout masks kept)
-        ckpt = True if vit_checkpointing is None else vit_checkpointing
-        vision_act = (lv * 2 * v_tokens * hv + v_layer) if ckpt else lv * v_layer
-
-    def stage(params_dense: float, params_expert: float, act: float, name: str, *, routed_act: float,
-              logits_act: float) -> MemoryEstimate:
-        opt_dense = 12 / dc if distributed_optimizer else 12
-        opt_expert = 12 / edp if distributed_optimizer else 12
-        total_params = params_dense + params_expert
-        optimizer = opt_dense * params_dense + opt_expert * params_expert
-        allocated = 6 * total_params + optimizer + act
-        return MemoryEstimate(
-            weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB, optimizer_gb=optimizer / GIB,
-            activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name,
-            expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB,
-            full_recompute=layout.recompute_granularity == "full")
-
+    opt, fixed = distributed_optimizer, overhead_gb
     if p == 1:
-        emb_all = emb * (1 if sh.tied else 2)
-        return stage(dense + emb_all + vision, experts, per_mb + working + logits + vision_act, "only",
-                     routed_act=per_mb_routed + working_routed, logits_act=logits)
-    first = stage(dense + emb + vision, experts, in_flight * per_mb + working + vision_act * min(p, m), "first",
-                  routed_act=in_flight * per_mb_routed + working_routed, logits_act=0.0)
-    last = stage(dense + emb, experts, per_mb + working + logits, "last",  # tied: a copy for the output layer
-                 routed_act=per_mb_routed + working_routed, logits_act=logits)
+        emb_all = par.emb * (1 if sh.tied else 2)
+        return _stage(layout, par.dense + emb_all + par.vision, par.experts,
+                      act.per_mb + act.working + logits + vision_act, "only",
+                      routed_act=act.per_mb_routed + act.working_routed, logits_act=logits,
+                      distributed_optimizer=opt, overhead_gb=fixed)
+    first = _stage(layout, par.dense + par.emb + par.vision, par.experts,
+                   in_flight * act.per_mb + act.working + vision_act * min(p, m), "first",
+                   routed_act=in_flight * act.per_mb_routed + act.working_routed, logits_act=0.0,
+                   distributed_optimizer=opt, overhead_gb=fixed)
+    last = _stage(layout, par.dense + par.emb, par.experts, act.per_mb + act.working + logits, "last",  # tied: a copy
+                  routed_act=act.per_mb_routed + act.working_routed, logits_act=logits,  # for the output layer
+                  distributed_optimizer=opt, overhead_gb=fixed)
     return first if first.total_gb >= last.total_gb else last
 
 
@@ -309,6 +315,17 @@ DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration 
 COMPONENTS = ("weights", "optimizer", "activations", "expert_activations", "logits")
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the memory model says of one layout (`MemoryModel.verdict`)."""
+
+    predicted_gb: float | None  # the learned prediction (None: the shape is too unknown)
+    sd: float | None  # its uncertainty, 1 sd in GB
+    oom_risk: float  # probability of running out of memory (0 when proven to fit)
+    proven_fit: bool  # a configuration needing at least as much of every component already ran
+    oom: str | None  # why it would surely run out of memory, or None
+
+
 class MemoryModel:
     """The estimate, corrected per study by what trials really used (per component, not one scale).
 
@@ -329,21 +346,24 @@ class MemoryModel:
       or recompute).
     * Evidence beats the estimate: a config needing no more of any component than one that already
       ran is never pruned, whatever the fit says; a measured config is predicted at what it measured.
-    Prune limit: capacity x (1 + safety_margin), since the estimate errs on the high side.
+    Prune limit: capacity x (1 + margin), since the estimate errs on the high side.
     """
 
-    def __init__(self, capacity_gb: float, safety_margin: float = DEFAULT_SAFETY_MARGIN, *,
-                 distributed_optimizer: bool = True, overhead_gb: float = DEFAULT_OVERHEAD_GB,
-                 flash_attention: bool = True):
+    def __init__(self, model: ModelInfo, capacity_gb: float, *, distributed_optimizer: bool = True,
+                 flash_attention: bool = True, margin: float = DEFAULT_SAFETY_MARGIN,
+                 overhead_gb: float = DEFAULT_OVERHEAD_GB):
         if capacity_gb <= 0:
             raise ValueError(f"capacity_gb={capacity_gb} must be positive (GPU memory in GB, e.g. 80)")
-        if safety_margin < 0:
-            raise ValueError(f"safety_margin={safety_margin} must be >= 0 (0.10 = prune above capacity x 1.10)")
+        if margin < 0:
+            raise ValueError(f"margin={margin} must be >= 0 (0.10 = prune above capacity x 1.10)")
+        # the study's constants, bound once: every call names only the layout (and ViT checkpointing)
+        self.model = model
         self.capacity_gb = float(capacity_gb)
-        self.safety_margin = float(safety_margin)
-        # estimate() keywords used unless a call passes its own
-        self.defaults: dict[str, Any] = {"distributed_optimizer": distributed_optimizer, "overhead_gb": overhead_gb,
-                                         "flash_attention": flash_attention}
+        self.margin = float(margin)
+        self.distributed_optimizer = bool(distributed_optimizer)
+        self.flash_attention = bool(flash_attention)
+        self.overhead_gb = float(overhead_gb)
+        self._estimates: dict[tuple[Layout, bool | None], MemoryEstimate | None] = {}  # the estimate never learns
         self._measured: list[tuple[np.ndarray, float]] = []  # (components, measured allocated GB)
         self._bounds: list[tuple[MemoryEstimate, float]] = []  # (what ran out of memory, GB it needed at least)
         self._frag: list[tuple[bool, float]] = []  # (full recompute?, measured reserved / allocated)
@@ -357,7 +377,7 @@ class MemoryModel:
 
     @property
     def limit_gb(self) -> float:
-        return self.capacity_gb * (1 + self.safety_margin)
+        return self.capacity_gb * (1 + self.margin)
 
     @property
     def scales(self) -> dict[str, float]:
@@ -380,8 +400,14 @@ class MemoryModel:
         """Configurations observed to run out of memory in this study."""
         return len(self._oom)
 
-    def _estimate(self, layout: Layout, model: ModelInfo, **kw: Any) -> MemoryEstimate | None:
-        return estimate(layout, model, **{**self.defaults, **kw})
+    def estimate(self, layout: Layout, vit_checkpointing: bool | None = None) -> MemoryEstimate | None:
+        """The uncorrected estimate of `layout` for this study's model (None: the shape is too unknown)."""
+        key = (layout, vit_checkpointing)
+        if key not in self._estimates:
+            self._estimates[key] = estimate(layout, self.model, distributed_optimizer=self.distributed_optimizer,
+                                            vit_checkpointing=vit_checkpointing, overhead_gb=self.overhead_gb,
+                                            flash_attention=self.flash_attention)
+        return self._estimates[key]
 
     @staticmethod
     def _x(est: MemoryEstimate) -> np.ndarray:
@@ -436,16 +462,18 @@ class MemoryModel:
         self._w = w * max(short, 1.0)
         self._cov = np.linalg.inv(A)
 
-    def predict(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
-        est = self._estimate(layout, model, **kw)
+    def predict(self, layout: Layout, vit_checkpointing: bool | None = None) -> float | None:
+        """Predicted peak GB (the estimate, corrected by what the study measured), or None."""
+        est = self.estimate(layout, vit_checkpointing)
         return None if est is None else self._corrected(est)
 
-    def predict_sd(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
+    def predict_sd(self, layout: Layout, vit_checkpointing: bool | None = None) -> float | None:
         """How uncertain `predict` still is (1 sd, GB): wide for what resembles nothing measured, narrow
         for configs made of the components the measured runs pinned down."""
-        est = self._estimate(layout, model, **kw)
-        if est is None:
-            return None
+        est = self.estimate(layout, vit_checkpointing)
+        return None if est is None else self._sd(est)
+
+    def _sd(self, est: MemoryEstimate) -> float:
         x = self._x(est)
         fitted = (1 + self._fragmentation(est)) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
         return math.hypot(fitted, self.model_error * self._corrected(est))
@@ -471,19 +499,47 @@ class MemoryModel:
         reserve = lambda e: (1 + self._fragmentation(e)) * float(self._x(e) @ self._w)  # noqa: E731
         return reserve(est) <= reserve(ok)
 
-    def proven_fit(self, layout: Layout, model: ModelInfo, **kw: Any) -> bool:
+    def proven_fit(self, layout: Layout, vit_checkpointing: bool | None = None) -> bool:
         """Does a configuration that already ran need at least as much of every component?"""
-        est = self._estimate(layout, model, **kw)
-        return est is not None and any(self._fits_like(est, ok) for ok in self._ok)
+        est = self.estimate(layout, vit_checkpointing)
+        return est is not None and self._proven(est)
 
-    def predicted_oom(self, layout: Layout, model: ModelInfo, **kw: Any) -> str | None:
-        """Why this config would surely run out of memory, or None."""
-        est = self._estimate(layout, model, **kw)
+    def _proven(self, est: MemoryEstimate) -> bool:
+        return any(self._fits_like(est, ok) for ok in self._ok)
+
+    def oom_risk(self, layout: Layout, vit_checkpointing: bool | None = None) -> float:
+        """Probability that `layout` runs out of memory, from the learned prediction and its uncertainty
+        (`predict_sd`); 0 when a configuration needing at least as much of every component already ran,
+        or without an estimate."""
+        est = self.estimate(layout, vit_checkpointing)
+        return 0.0 if est is None else self._risk(est, self._proven(est))
+
+    def _risk(self, est: MemoryEstimate, proven: bool) -> float:
+        if proven:
+            return 0.0
+        gb, sd = self._corrected(est), self._sd(est)
+        if not sd:
+            return 0.0
+        return 0.5 * math.erfc((self.capacity_gb - gb) / (sd * math.sqrt(2)))
+
+    def verdict(self, layout: Layout, vit_checkpointing: bool | None = None) -> Verdict:
+        """Everything the model says of one layout at once (one estimate, one proof search)."""
+        est = self.estimate(layout, vit_checkpointing)
         if est is None:
-            return None
+            return Verdict(None, None, 0.0, False, None)
+        proven = self._proven(est)
+        return Verdict(self._corrected(est), self._sd(est), self._risk(est, proven), proven,
+                       None if proven else self._oom_reason(est))
+
+    def predicted_oom(self, layout: Layout, vit_checkpointing: bool | None = None) -> str | None:
+        """Why this config would surely run out of memory, or None."""
+        est = self.estimate(layout, vit_checkpointing)
+        if est is None or self._proven(est):
+            return None  # (proven: something needing at least as much of everything already ran)
+        return self._oom_reason(est)
+
+    def _oom_reason(self, est: MemoryEstimate) -> str | None:
         x = self._x(est)
-        if any(self._fits_like(est, ok) for ok in self._ok):
-            return None  # something needing at least as much of everything already ran
         for bad in self._oom:
             # ...and clearly more in total: fragmentation differs between configurations (full recompute,
             # MoE token counts), so one a hair above an OOM may still fit; the learned rules judge those
@@ -501,7 +557,7 @@ class MemoryModel:
             if self._fixed(est) < self._assumed_fixed(est):
                 moved.append(f"non-PyTorch <= {self._fixed(est):.1f} GB")
             learned = f", learned {' '.join(moved)}" if moved and (self._measured or self._bounds) else ""
-            return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.safety_margin:.2f} "
+            return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.margin:.2f} "
                     f"margin ({est.breakdown()}{learned})")
         return None
 
@@ -512,11 +568,11 @@ class MemoryModel:
         if off > 2 * math.hypot(sd, MODEL_ERROR * predicted):
             self._misses.append(off / max(predicted, 1e-9))
 
-    def observe_success(self, layout: Layout, model: ModelInfo, measured_peak_gb: float | None, *,
-                        reserved_gb: float | None = None, **kw: Any) -> None:
+    def observe_success(self, layout: Layout, measured_peak_gb: float | None, *, reserved_gb: float | None = None,
+                        vit_checkpointing: bool | None = None) -> None:
         """A run that completed; `measured_peak_gb` is Megatron's "max allocated" (None if not
         printed), `reserved_gb` its "max reserved"."""
-        est = self._estimate(layout, model, **kw)
+        est = self.estimate(layout, vit_checkpointing)
         if est is None:
             return
         self._ok.append(est)
@@ -539,10 +595,11 @@ class MemoryModel:
         self._fixed_cap = room if self._fixed_cap is None else min(self._fixed_cap, room)
         self._fit()
 
-    def observe_oom(self, layout: Layout, model: ModelInfo, *, needed_gb: float | None = None, **kw: Any) -> None:
+    def observe_oom(self, layout: Layout, *, needed_gb: float | None = None,
+                    vit_checkpointing: bool | None = None) -> None:
         """A run that ran out of memory; `needed_gb` is what the OOM message proves it needed at least
         (memory in use + the allocation that failed), if known."""
-        est = self._estimate(layout, model, **kw)
+        est = self.estimate(layout, vit_checkpointing)
         if est is None:
             return
         self._oom.append(est)

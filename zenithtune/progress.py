@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from zenithtune import record
-from zenithtune.job import Job
+from zenithtune.job import Setting, SpaceReport
 from zenithtune.loop import Callbacks
 from zenithtune.record import Outcome
 
@@ -131,13 +131,14 @@ class Progress(Callbacks):
             self._bar.update(self._task, **kw)
 
     # --- the study ---------------------------------------------------------------------------------
-    def header(self, job: Job, url: str, resumed: int = 0, stale: list[int] | None = None,
-               best: float | None = None, used: int = 0) -> None:
-        """The space report; for a resumed study also its best so far and the launches already used."""
+    def header(self, setting: Setting, report: SpaceReport, strategy: str, url: str, resumed: int = 0,
+               stale: list[int] | None = None, best: float | None = None, used: int = 0) -> None:
+        """The space report (`strategy`: its name as the user selected it); for a resumed study also its
+        best so far and the launches already used."""
         self.best = best
-        ctx, s = job.ctx, job.survey
-        self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {ctx.gpu_memory_gb:g} GB from "
-                  f"{job.memory_source}), gbs={ctx.gbs}, model: {ctx.model.summary()}")
+        ctx, s = setting.ctx, report.survey
+        self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {setting.capacity_gb:g} GB from "
+                  f"{setting.memory_source}), gbs={ctx.gbs}, model: {ctx.model.summary()}")
         self.line(f"space: {s.total} candidates")
         groups = (("megatron", "Megatron would reject"),
                   ("policy", "zenithtune's policy (prune.policy.<rule>=false keeps them)"))
@@ -147,11 +148,11 @@ class Progress(Callbacks):
                 self.line(f"  {title}:")
             for rule, n in removed:
                 self.line(f"  - {n:6d} removed by {rule}: e.g. {s.reasons[rule]}")
-        about = "~" if job.predicted_oom_estimated else " "
-        self.line(f"  -{about}{job.predicted_oom_count:6d} predicted to run out of memory (not launched)"
-                  + (" (counted on a sample)" if job.predicted_oom_estimated else ""))
-        self.line(f"  ={about}{s.valid - job.predicted_oom_count} left to search; strategy "
-                  f"{job.strategy_name}, n_trials={self.total}")
+        about = "~" if report.estimated else " "
+        self.line(f"  -{about}{report.predicted_oom:6d} predicted to run out of memory (not launched)"
+                  + (" (counted on a sample)" if report.estimated else ""))
+        self.line(f"  ={about}{s.valid - report.predicted_oom} left to search; strategy "
+                  f"{strategy}, n_trials={self.total}")
         for note in s.notes:
             self.line(f"  note: {note}")
         resume = ""

@@ -56,8 +56,6 @@ class Context:
     model: ModelInfo = field(default_factory=ModelInfo)
     mbs_max: int = 8
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
-    distributed_optimizer: bool = True  # the command has --use-distributed-optimizer
     vlm_full_uniform_only: bool = True  # see conf/preset/megatron.yaml
     flags: CommandFacts = field(default_factory=CommandFacts)  # the user's own flags (command.facts)
     policy_off: frozenset[str] = frozenset()  # policy rules switched off (prune.policy.<name>=false)
@@ -364,54 +362,26 @@ class Space:
         rest = [self.normalize(r) for r in self._sub(rest_names, {})]
         has_mbs = "mbs" in self.params
         mbs_choices = self.params["mbs"].choices if has_mbs else (1,)
-        per_layout = len(mbs_choices) * len(rest)
         sizes = [len(self.params[n].choices) for n in lay_names]
-        below = [per_layout] * (len(lay_names) + 1)  # candidates under one node at each depth
+        below = [len(mbs_choices) * len(rest)] * (len(lay_names) + 1)  # candidates under one node at each depth
         for i in range(len(lay_names) - 1, -1, -1):
             below[i] = below[i + 1] * sizes[i]
         survey.total += below[0]
         by_dim, mbs_rules, rest_rules, final = self._stage_rules()
-        model = self.ctx.model
-
-        def broken(cand: Mapping[str, Any], rules: tuple[Rule, ...], weight: int) -> bool:
-            if not rules:
-                return False
-            bad = check(self.layout(cand), model, rules=rules)
-            if bad:
-                survey.removed[bad[0][0]] += weight
-                survey.reasons.setdefault(bad[0][0], bad[0][1])
-            return bool(bad)
-
-        def layouts(depth: int, prefix: Candidate) -> Iterator[Candidate]:
-            if depth == len(lay_names):
-                yield prefix
-                return
-            name = lay_names[depth]
-            for v in self.params[name].choices:
-                c = {**prefix, name: v}
-                if not broken(c, by_dim.get(name, ()), below[depth + 1]):
-                    yield from layouts(depth + 1, c)
-
-        if not lay_names and broken({}, by_dim.get("", ()), below[0]):
+        if not lay_names and self._broken(survey, {}, by_dim.get("", ()), below[0]):
             return
         rest_dims = sorted(set().union(*(RULE_NEEDS[r.name] for r in rest_rules)) - {"rest"}) if rest_rules else []
         rest_memo: dict[tuple, list[str | None]] = {}
-        for lay_c in layouts(0, {}):
+        for lay_c in self._layouts(survey, lay_names, by_dim, below, 0, {}):
             # the recompute/ViT rules do not read mbs (and only a few layout dimensions, RULE_NEEDS):
             # decide them once per distinct value of what they read
             memo_key = tuple(lay_c.get(n) for n in rest_dims)
-            rest_bad = rest_memo.get(memo_key)
-            if rest_bad is None:
-                rest_bad = []
-                for r in rest:
-                    bad = check(self.layout({**lay_c, **r}), model, rules=rest_rules) if rest_rules else []
-                    rest_bad.append(bad[0][0] if bad else None)
-                    if bad:
-                        survey.reasons.setdefault(bad[0][0], bad[0][1])
-                rest_memo[memo_key] = rest_bad
+            if memo_key not in rest_memo:
+                rest_memo[memo_key] = self._rest_broken(survey, lay_c, rest, rest_rules)
+            rest_bad = rest_memo[memo_key]
             for mbs in mbs_choices:
                 at_mbs = {**lay_c, "mbs": mbs} if has_mbs else dict(lay_c)
-                if broken(at_mbs, mbs_rules, len(rest)):
+                if self._broken(survey, at_mbs, mbs_rules, len(rest)):
                     continue
                 for r, bad_rule in zip(rest, rest_bad):
                     if bad_rule is not None:
@@ -419,10 +389,43 @@ class Space:
                         continue
                     merged = {**at_mbs, **r}
                     cand = {k: merged[k] for k in order if k in merged}
-                    if broken(cand, final, 1):
+                    if self._broken(survey, cand, final, 1):
                         continue
                     survey.valid += 1
                     yield cand
+
+    def _broken(self, survey: Survey, cand: Mapping[str, Any], rules: tuple[Rule, ...], weight: int) -> bool:
+        """Does `cand` (a prefix: its sub-tree of `weight` candidates) break one of `rules`? Counted."""
+        if not rules:
+            return False
+        bad = check(self.layout(cand), self.ctx.model, rules=rules)
+        if bad:
+            survey.removed[bad[0][0]] += weight
+            survey.reasons.setdefault(bad[0][0], bad[0][1])
+        return bool(bad)
+
+    def _layouts(self, survey: Survey, lay_names: list[str], by_dim: dict[str, tuple[Rule, ...]], below: list[int],
+                 depth: int, prefix: Candidate) -> Iterator[Candidate]:
+        """The valid layout prefixes below `prefix`, dimension `depth` onwards (depth first)."""
+        if depth == len(lay_names):
+            yield prefix
+            return
+        name = lay_names[depth]
+        for v in self.params[name].choices:
+            c = {**prefix, name: v}
+            if not self._broken(survey, c, by_dim.get(name, ()), below[depth + 1]):
+                yield from self._layouts(survey, lay_names, by_dim, below, depth + 1, c)
+
+    def _rest_broken(self, survey: Survey, lay_c: Candidate, rest: list[Candidate],
+                     rest_rules: tuple[Rule, ...]) -> list[str | None]:
+        """For each recompute/ViT choice on layout `lay_c`: the first rule it breaks, or None."""
+        out: list[str | None] = []
+        for r in rest:
+            bad = check(self.layout({**lay_c, **r}), self.ctx.model, rules=rest_rules) if rest_rules else []
+            out.append(bad[0][0] if bad else None)
+            if bad:
+                survey.reasons.setdefault(bad[0][0], bad[0][1])
+        return out
 
     def suggest(self, trial: Any, names: tuple[str, ...] | None = None) -> Candidate:
         """Ask an Optuna trial for a candidate, conditionally (a param is only suggested when it
@@ -434,13 +437,6 @@ class Space:
             if self.applies(name, cand):
                 cand[name] = trial.suggest_categorical(name, list(p.choices))
         return self.normalize(cand)
-
-    def memory_args(self, cand: Mapping[str, Any]) -> dict[str, Any]:
-        """What the memory model needs to judge a candidate: `memory.predict(**space.memory_args(c))`."""
-        return {"layout": self.layout(cand), "model": self.ctx.model,
-                "distributed_optimizer": self.ctx.distributed_optimizer,
-                "vit_checkpointing": self.vit_checkpointing(cand)}
-
 
 
 def stock_search_space(cfg: Any, trial: Any) -> None:

@@ -262,12 +262,60 @@ def load_existing(value: str, study_name: str | None = None) -> tuple[optuna.Stu
     return optuna.load_study(storage=storage, study_name=name), url
 
 
+# --- Optuna's internals, in one place -----------------------------------------------------------------
+OPTUNA_WRITTEN_FOR = "5."  # the Optuna series `Internals` was written against (tests/test_study.py pins it)
+
+
+class Internals:
+    """What zenithtune reads of a study that Optuna keeps private: the storage behind a study, a trial's
+    storage id, the study's id, whether Optuna's own heartbeat runs, the engine of an RDB storage and the
+    file of a journal. Liveness and claims need them and Optuna offers no public name; nothing else in
+    zenithtune touches an underscored Optuna attribute, so an Optuna upgrade is checked here."""
+
+    def __init__(self, study: optuna.Study):
+        self.study = study
+        self.storage = study._storage
+        self.study_id: int = study._study_id
+
+    @staticmethod
+    def trial_id(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
+        return int(trial._trial_id)
+
+    def native_heartbeat(self) -> bool:
+        """Optuna's RDB heartbeat is on (the storage was opened with a heartbeat interval)."""
+        from optuna.storages._heartbeat import is_heartbeat_enabled
+
+        return is_heartbeat_enabled(self.storage)
+
+    def beat(self, trial_id: int, native: bool) -> None:
+        """A beat for the trial: Optuna's own heartbeat (`native`), marked by `BEAT_ATTR` True, or the
+        time of the beat in `BEAT_ATTR`."""
+        if native:
+            self.storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]
+            self.storage.set_trial_system_attr(trial_id, BEAT_ATTR, True)
+        else:
+            self.storage.set_trial_system_attr(trial_id, BEAT_ATTR, time.time())
+
+    def fail(self, trial_id: int) -> None:
+        self.storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+
+    def engine(self) -> Any:
+        """The SQLAlchemy engine of an RDB storage (sqlite, PostgreSQL), else None."""
+        from optuna.storages import RDBStorage
+
+        inner = getattr(self.storage, "_backend", self.storage)  # optuna wraps RDBStorage in a cache
+        return getattr(inner, "engine", None) if isinstance(inner, RDBStorage) else None
+
+    def journal_file(self) -> Path | None:
+        """The file of a journal storage, else None."""
+        from optuna.storages import JournalStorage
+
+        if not isinstance(self.storage, JournalStorage):
+            return None
+        return Path(str(getattr(self.storage._backend, "_file_path")))  # noqa: B009  (no public name)
+
+
 # --- many workers, one study ------------------------------------------------------------------------
-def _optuna_heartbeat(study: optuna.Study) -> bool:
-    from optuna.storages._heartbeat import is_heartbeat_enabled
-
-    return is_heartbeat_enabled(study._storage)
-
 
 class Liveness:
     """Beats for the trials this worker runs, and fails the RUNNING trials of dead workers.
@@ -282,16 +330,18 @@ class Liveness:
         self.on_stale = on_stale  # called with each trial failed as stale (e.g. kill what it left running)
         self.interval = float(interval)
         self.grace = float(grace)
-        self.native = _optuna_heartbeat(study)
+        self._optuna = Internals(study)
+        self.native = self._optuna.native_heartbeat()
         self._mine: dict[int, int] = {}  # trial number -> trial id, RUNNING here
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def hold(self, trial: optuna.Trial) -> None:
+        trial_id = Internals.trial_id(trial)
         with self._lock:
-            self._mine[trial.number] = trial._trial_id
-        self._beat_one(trial._trial_id)
+            self._mine[trial.number] = trial_id
+        self._beat_one(trial_id)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="zenithtune-heartbeat", daemon=True)
             self._thread.start()
@@ -308,13 +358,8 @@ class Liveness:
         self._stop.set()
 
     def _beat_one(self, trial_id: int) -> None:
-        storage = self.study._storage
         try:
-            if self.native:
-                storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]
-                storage.set_trial_system_attr(trial_id, BEAT_ATTR, True)
-            else:
-                storage.set_trial_system_attr(trial_id, BEAT_ATTR, time.time())
+            self._optuna.beat(trial_id, self.native)
         except optuna.exceptions.UpdateFinishedTrialError:
             pass  # told in between (or failed as stale: the beat came too late)
 
@@ -328,7 +373,7 @@ class Liveness:
 
     def fail_stale(self) -> list[int]:
         """Fail the RUNNING trials no live worker beats for; their numbers."""
-        study, storage = self.study, self.study._storage
+        study = self.study
         before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
         if self.native:
             with warnings.catch_warnings():
@@ -344,7 +389,7 @@ class Liveness:
                 (t.datetime_start.timestamp() if t.datetime_start else now)
             if now - last > self.grace:
                 try:
-                    storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+                    self._optuna.fail(Internals.trial_id(t))
                 except optuna.exceptions.UpdateFinishedTrialError:
                     pass  # another worker failed (or its owner told) it first
         after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
@@ -397,16 +442,11 @@ class Claims:
     TABLE = "zenithtune_claims"
 
     def __init__(self, study: optuna.Study):
-        from optuna.storages import JournalStorage, RDBStorage
-
-        self.study_id = study._study_id
-        storage = study._storage
-        inner = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in a cache
-        self._engine: Any = getattr(inner, "engine", None) if isinstance(inner, RDBStorage) else None
-        self._file: Path | None = None
-        if isinstance(storage, JournalStorage):
-            backend = storage._backend
-            self._file = Path(str(getattr(backend, "_file_path")) + ".claims")  # noqa: B009  (no public name)
+        optuna_ = Internals(study)
+        self.study_id = optuna_.study_id
+        self._engine: Any = optuna_.engine()
+        journal = optuna_.journal_file()
+        self._file: Path | None = None if journal is None else Path(str(journal) + ".claims")
         self._memory: dict[str, int] = {}
         if self._engine is not None:
             self._table = self._create_table()

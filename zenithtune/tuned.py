@@ -16,8 +16,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from zenithtune.inject import inject
-from zenithtune.job import Job
 from zenithtune.record import Outcome
 
 
@@ -35,26 +33,26 @@ def portable(word: str) -> str:
     return word
 
 
-def tuned_yaml(job: Job, best: Outcome, study: str, name: str | None) -> str:
-    """A tuned config (stable key order, headed by its provenance)."""
+def tuned_yaml(best: Outcome, *, command: list[str], n_gpus: int, gbs: int, model: str | None, metric: str,
+               strategy: str, study: str, name: str | None, evaluator: dict | None = None) -> str:
+    """A tuned config (stable key order, headed by its provenance). `command`: the command as the user
+    wrote it, with the tuned options taken out (they live in params); `model`: the model to name, if any;
+    `evaluator`: the evaluator config that scored the study (a run with it prints the same score)."""
     assert best.value is not None and best.trial_number is not None  # best() returns complete trials only
-    # The command as the user wrote it, with the tuned options taken out (they live in params).
-    plain = [portable(w) for w in inject(job.command, {o: None for o in job.space.options(best.candidate)})]
-    model = job.conf.model or (job.ctx.model.name if job.ctx.model.name != "command" else None)
-    metric = job.evaluator.metric_name
+    command = [portable(w) for w in command]
     study = portable(study)
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     head = [
         "# @package _global_",
         f"# zenithtune tuned config{' ' + name if name else ''}: {best.value:g} {metric} "
         f"(trial {best.trial_number} of {study})",
-        f"# made {stamp} by strategy {job.strategy_name} for n_gpus={job.ctx.n_gpus} gbs={job.ctx.gbs}"
+        f"# made {stamp} by strategy {strategy} for n_gpus={n_gpus} gbs={gbs}"
         + (f" model={model}" if model else ""),
-        f"# command (before injection): {shlex.join(plain)}",
+        f"# command (before injection): {shlex.join(command)}",
         f"# apply: python -m zenithtune tuned={name or 'NAME'} -- <your training command>",
     ]
-    body = OmegaConf.to_yaml({"n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "params": best.candidate,
-                              "evaluator": dict(job.conf.evaluator),  # how the score was read: a run with it prints one too
+    body = OmegaConf.to_yaml({"n_gpus": n_gpus, "gbs": gbs, "params": best.candidate,
+                              **({"evaluator": evaluator} if evaluator else {}),
                               "result": {"score": float(best.value), "metric": metric, "trial": best.trial_number,
-                                         "study": study, "strategy": job.strategy_name}}, sort_keys=False)
+                                         "study": study, "strategy": strategy}}, sort_keys=False)
     return "\n".join(head) + "\n" + body

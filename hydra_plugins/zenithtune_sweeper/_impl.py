@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from zenithtune import record, settings, signals, slurm
 from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
-from zenithtune.job import Job, build_job
+from zenithtune.inject import inject
+from zenithtune.job import Job, build_job, space_report
 from zenithtune.loop import Pending, StudyLoop, WaveInterrupted
 from zenithtune.overrides import hydra_quote, key, resume_command, value
 from zenithtune.processes import kill_leftovers
@@ -29,6 +31,7 @@ from zenithtune.progress import Progress
 from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Attr, Launched, Outcome
 from zenithtune.resolvers import environ_command
 from zenithtune.run import FailureKind
+from zenithtune.settings import ZenithtuneConf
 from zenithtune.tuned import tuned_yaml
 
 NOT_STARTED = "not_started"  # the rule of a trial whose Slurm job never started (slurm.NotStarted)
@@ -47,7 +50,7 @@ def _head(path: Path) -> bytes:
         return f.read(16)
 
 
-def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
+def _open_ours(url: str, name: str, job: Job, conf: ZenithtuneConf) -> optuna.Study:
     """Open (or create) the study, refusing one zenithtune did not make, BEFORE anything is written
     into it: a storage error, an unreadable or foreign database, a multi-objective study or one that
     optimizes the other way is one line, and a foreign study never gets a trial of ours."""
@@ -65,7 +68,7 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
             if db.exists() and db.stat().st_size and _head(db) != b"SQLite format 3\x00":
                 raise UserError(f"{db} is not a SQLite database (truncated or overwritten?): "
                                 f"move it away or choose another storage= / --db-path")
-        storage = zstudy.open_storage(url, job.conf.heartbeat_interval, job.conf.heartbeat_grace)
+        storage = zstudy.open_storage(url, conf.heartbeat_interval, conf.heartbeat_grace)
         summaries = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
         existing = summaries.get(name)
         if existing is not None:
@@ -81,7 +84,7 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
                 raise UserError(f"study {name!r} in {where} was created to {theirs} but the evaluator wants to "
                                 f"{direction}: use a new storage")
         return zstudy.open_study(url, name, direction, job.strategy.sampler(),
-                                 heartbeat_interval=job.conf.heartbeat_interval, grace_period=job.conf.heartbeat_grace)
+                                 heartbeat_interval=conf.heartbeat_interval, grace_period=conf.heartbeat_grace)
     except ZenithtuneError:
         raise  # already one line (zenithtune.study says what is wrong with the storage)
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.OptunaError, ImportError, OSError, ValueError,
@@ -89,12 +92,12 @@ def _open_ours(url: str, name: str, job: Job) -> optuna.Study:
         raise _storage_error(url, err) from None
 
 
-def plain_command(job: Job) -> list[str]:
+def plain_command(command: list[str], preset: Mapping[str, Any], gbs: int) -> list[str]:
     """The command with every option the tuner injects taken out: what a resumed study must share."""
     from zenithtune.inject import inject
     from zenithtune.space import options_for
 
-    return inject(job.command, {o: None for o in options_for(job.conf.preset, {}, job.ctx.gbs)})
+    return inject(command, {o: None for o in options_for(preset, {}, gbs)})
 
 
 def command_difference(before: list[str], now: list[str]) -> str:
@@ -120,13 +123,13 @@ class StudyRunner:
 
     def sweep(self, arguments: list[str]) -> Any:
         conf = settings.load(self.config)
-        choices = HydraConfig.get().runtime.choices
-        job = build_job(conf, strategy_name=choices.get("strategy"))
+        job = build_job(conf)
+        # as the user selects it (strategy=heuristic), not the class behind it
+        self.strategy_name = HydraConfig.get().runtime.choices.get("strategy") or type(job.strategy).__name__
         self.arguments = [a for a in arguments if not key(a).startswith("params.")]
-        return self._run(job)
+        return self._run(job, conf)
 
-    def _run(self, job: Job) -> Any:
-        conf = job.conf
+    def _run(self, job: Job, conf: ZenithtuneConf) -> Any:
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         self.sweep_dir = sweep_dir
         url = zstudy.storage_url(conf.storage) if conf.storage else zstudy.default_storage(sweep_dir)
@@ -137,7 +140,7 @@ class StudyRunner:
         except OSError as err:
             raise UserError(f"cannot write the study folder {sweep_dir}: {err.strerror or err}; run from a writable "
                             f"folder or choose one (--output-dir / hydra.sweep.dir=...)") from None
-        study = _open_ours(url, conf.study_name, job)
+        study = _open_ours(url, conf.study_name, job, conf)
         progress = Progress(total=conf.n_trials, metric=job.evaluator.metric_name, direction=job.evaluator.direction)
         self.progress, self.conf = progress, conf
         # Only trials no live worker beats for are failed (a worker sharing the study keeps its own).
@@ -147,10 +150,11 @@ class StudyRunner:
                                    on_stale=lambda n: self._stale(study, n))
         stale = liveness.fail_stale() + zstudy.close_waiting(study)
         prior = record.history(study)
-        self._remember(study, job, url)
+        self._remember(study, job, conf, url)
         best = zstudy.best(prior, job.evaluator.direction)
         used = record.budget_used(prior)
-        progress.header(job, url, resumed=len(prior), stale=stale, best=best.value if best else None, used=used)
+        progress.header(job, space_report(job), self.strategy_name, url, resumed=len(prior), stale=stale,
+                        best=best.value if best else None, used=used)
         loop = StudyLoop(job, study, callbacks=progress, max_consecutive_skips=self.max_consecutive_skips,
                          launch_batch=self._launch_wave, parallel=conf.parallel_trials, liveness=liveness)
         # A candidate whose job Slurm never started says nothing about it: proposed again after a fix
@@ -162,7 +166,7 @@ class StudyRunner:
                     why = loop.run(conf.n_trials, launched=used, fail_fast=conf.fail_fast)
         except KeyboardInterrupt:
             loop.abandon()  # a proposal asked but not yet told (Ctrl-C between trials)
-            self._finish(study, job, url, sweep_dir, progress, "interrupted")
+            self._finish(study, job, conf, url, sweep_dir, progress, "interrupted")
             progress.interrupted(url, self._resume_hint(url), signals.reason())
             stop = StudyInterrupted("")
             stop.exit_code = signals.exit_code()  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
@@ -176,7 +180,7 @@ class StudyRunner:
             raise
         finally:
             liveness.stop()
-        return self._finish(study, job, url, sweep_dir, progress, why)
+        return self._finish(study, job, conf, url, sweep_dir, progress, why)
 
     def _stale(self, study: optuna.Study, number: int) -> None:
         """A trial of a tuner that died: kill what it left running here (its marker); its Slurm jobs (the
@@ -230,20 +234,20 @@ class StudyRunner:
             freed = bool(liveness.fail_stale()) or freed
         return freed
 
-    def _remember(self, study: optuna.Study, job: Job, url: str) -> None:
+    def _remember(self, study: optuna.Study, job: Job, conf: ZenithtuneConf, url: str) -> None:
         """What `zenithtune apply --db-path` needs to re-create a trial's run: the study's overrides
         and the command as given (None = the config's default command)."""
         before = study.user_attrs.get(zstudy.STUDY_ATTR) or {}
-        plain = plain_command(job)
+        plain = plain_command(job.command, conf.preset, job.ctx.gbs)
         new_study = "(another --db-path / storage)"
         for name, now in (("n_gpus", job.ctx.n_gpus), ("gbs", job.ctx.gbs)):
             if before.get(name) not in (None, now):  # its trials would not be comparable with these
                 raise UserError(f"the study in {zstudy.where(url)} was made for {name}={before[name]}, this run "
                                 f"says {name}={now}: resume with {name}={before[name]} or start a new study "
                                 f"{new_study}")
-        if before and before.get("model") != job.conf.model:
+        if before and before.get("model") != conf.model:
             raise UserError(f"the study in {zstudy.where(url)} was made for model={before.get('model')}, this run "
-                            f"says model={job.conf.model}: resume with the same model= or start a new study "
+                            f"says model={conf.model}: resume with the same model= or start a new study "
                             f"{new_study}")
         if before.get("plain_command") not in (None, plain):
             raise UserError(f"the study in {zstudy.where(url)} was made for another command ("
@@ -252,7 +256,7 @@ class StudyRunner:
         choices = HydraConfig.get().runtime.choices
         study.set_user_attr(zstudy.STUDY_ATTR, {
             "overrides": list(self.arguments), "command": environ_command(), "plain_command": plain,
-            "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": job.conf.model,
+            "n_gpus": job.ctx.n_gpus, "gbs": job.ctx.gbs, "model": conf.model,
             "preset": choices.get("preset"), "strategy": choices.get("strategy"),
             "metric": job.evaluator.metric_name})
 
@@ -397,8 +401,8 @@ class StudyRunner:
         out_dir = cls._trial_dir(ret)
         return record.read_run(out_dir / TRIAL_INFO) if out_dir else None
 
-    def _finish(self, study: optuna.Study, job: Job, url: str, sweep_dir: Path, progress: Progress,
-                why: str) -> Outcome | None:
+    def _finish(self, study: optuna.Study, job: Job, conf: ZenithtuneConf, url: str, sweep_dir: Path,
+                progress: Progress, why: str) -> Outcome | None:
         outcomes = record.history(study)
         best = zstudy.best(outcomes, job.evaluator.direction)
         launched = record.launched(outcomes)
@@ -417,13 +421,21 @@ class StudyRunner:
         db = zstudy.db_path(url)
         out = db.parent if db else sweep_dir  # a journal or a server: this worker's own study folder
         out.mkdir(parents=True, exist_ok=True)
-        (out / "best.yaml").write_text(tuned_yaml(job, best, where, name=None))
+        model = conf.model or (job.ctx.model.name if job.ctx.model.name != "command" else None)
+        plain = inject(job.command, {o: None for o in job.space.options(best.candidate)})  # as the user wrote it
+
+        def tuned(name: str | None) -> str:
+            return tuned_yaml(best, command=plain, n_gpus=job.ctx.n_gpus, gbs=job.ctx.gbs, model=model,
+                              metric=job.evaluator.metric_name, strategy=self.strategy_name, study=where, name=name,
+                              evaluator=dict(conf.evaluator))
+
+        (out / "best.yaml").write_text(tuned(None))
         progress.wrote(out / "best.yaml")
-        name = job.conf.save_tuned
+        name = conf.save_tuned
         if name:
             target = Path.cwd() / "conf" / "tuned" / f"{name}.yaml"
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(tuned_yaml(job, best, where, name=str(name)))
+            target.write_text(tuned(str(name)))
             progress.wrote(target, f"commit it; apply: zenithtune apply --tuned {name} -- <your command>, "
                                    f"or python -m zenithtune tuned={name} -- <your command>")
         if why != "interrupted":

@@ -1,32 +1,33 @@
 """The simulator as a study's launch function, in-process: what the tests and the benchmarks launch
 instead of a subprocess, so a study of fifty trials takes a second.
 
-`launcher(job)` injects a candidate's options into the job's simulator command exactly as the entry
-function would, runs `simulate` on the result and reports it as a `record.Launched` (score, failure
-kind, the memory the log printed), with no process, log file or Hydra in between.
+`launcher(command, space, evaluator)` injects a candidate's options (`Space.options`) into the
+simulator command exactly as the entry function would, runs `simulate` on the result and reports it
+as a `record.Launched` (score, failure kind, the memory the log printed), with no process, log file or
+Hydra in between. It takes the values it uses, not the study's `Job`: the simulator is domain.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from zenithtune.evaluate import NoMetric, memory_evidence
+from zenithtune.evaluate import Evaluator, NoMetric, memory_evidence
 from zenithtune.inject import inject
-from zenithtune.job import Job
 from zenithtune.record import Launched
 from zenithtune.run import FailureKind
 from zenithtune.sim import simulate
 from zenithtune.sim.noise import RUN_ENV
+from zenithtune.space import Space
 from zenithtune.validate import required_env
 
 
-def sim_argv(job: Job, cand: dict[str, Any]) -> list[str]:
-    """The simulator's own arguments for a candidate (the command after `-m zenithtune.sim`)."""
-    argv = inject(job.command, job.space.options(cand))
+def sim_argv(command: list[str], options: dict[str, Any]) -> list[str]:
+    """The simulator's own arguments for a candidate's `options` (the command after `-m zenithtune.sim`)."""
+    argv = inject(command, options)
     return argv[argv.index("zenithtune.sim") + 1:]
 
 
-def launcher(job: Job, *, truth: dict[int, float] | None = None,
+def launcher(command: list[str], space: Space, evaluator: Evaluator, *, truth: dict[int, float] | None = None,
              oom_if: Callable[[dict[str, Any]], bool] | None = None
              ) -> Callable[[int, dict[str, Any], float | None], Launched]:
     """A launch function for `StudyLoop`. `truth` collects each trial's steady-state TFLOP/s by trial
@@ -37,13 +38,13 @@ def launcher(job: Job, *, truth: dict[int, float] | None = None,
         if oom_if is not None and oom_if(cand):
             return Launched(None, FailureKind.OOM.value, "CUDA out of memory (forced)", 1.0)
         # the trial number tells two launches of one candidate apart, as the trial marker does in a subprocess
-        env = {**required_env(job.space.layout(cand)), RUN_ENV: str(number)}
-        res = simulate(sim_argv(job, cand), env)
+        env = {**required_env(space.layout(cand)), RUN_ENV: str(number)}
+        res = simulate(sim_argv(command, space.options(cand)), env)
         if truth is not None and res.true_tflops:
             truth[number] = res.true_tflops
         if res.kind == "ok":
             try:
-                run = Launched(job.evaluator.evaluate(res.stdout), duration=res.wall_seconds)
+                run = Launched(evaluator.evaluate(res.stdout), duration=res.wall_seconds)
             except NoMetric as e:
                 run = Launched(None, e.kind.value, str(e), res.wall_seconds)
         else:

@@ -36,13 +36,19 @@ How it chooses (each launch says which of these made it):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._speed import LEVEL_SD, SpeedModel
+
+if TYPE_CHECKING:
+    from zenithtune.assessment import Judge
 
 RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `max_ooms`
 
@@ -91,9 +97,10 @@ class HeuristicStrategy(Strategy):
         self.oom_risk = float(oom_risk)
 
     # --- the pool -----------------------------------------------------------------------------------
-    def setup(self, space, memory, history) -> None:
-        super().setup(space, memory, history)
-        ctx = space.ctx
+    def setup(self, judge: Judge, history: list[Outcome], direction: Literal["maximize", "minimize"] = "maximize",
+              metric: str = "TFLOP/s/GPU") -> None:
+        super().setup(judge, history, direction, metric)
+        ctx, space = self.ctx, self.space
         valid = list(space.walk())
         self._dropped: dict[str, int] = {}
         pool = [c for c in valid if self._domain_ok(c)]
@@ -111,7 +118,7 @@ class HeuristicStrategy(Strategy):
                                   num_layers=ctx.model.num_layers or 32)
 
     def _domain_ok(self, c: dict) -> bool:
-        ctx = self.space.ctx
+        ctx = self.ctx
         why = None
         if self.tp_within_node and c.get("tp", 1) > ctx.gpus_per_node:
             why = "tp across nodes"
@@ -128,7 +135,7 @@ class HeuristicStrategy(Strategy):
         for i, c in enumerate(pool):
             if c.get("recompute_method") == "uniform":
                 k = (_lay(c), c.get("mbs"), c.get("vit_gradient_checkpointing"))
-                gb = self._estimate(c)
+                gb = self.judge.assess(c).predicted_gb
                 gb = gb if gb is not None else float(c.get("recompute_num_layers") or 1)
                 if k not in best or gb < best[k][0]:
                     best[k] = (gb, i)
@@ -136,41 +143,26 @@ class HeuristicStrategy(Strategy):
         return [c for i, c in enumerate(pool) if c.get("recompute_method") != "uniform" or i in keep]
 
     # --- memory -------------------------------------------------------------------------------------
-    def _estimate(self, c: dict) -> float | None:
-        """Raw (uncorrected) estimate, GB."""
-        if self.memory is None:
-            return None
-        from zenithtune.memory import estimate
-
-        ctx = self.space.ctx
-        est = estimate(self.space.layout(c), ctx.model, distributed_optimizer=ctx.distributed_optimizer,
-                       vit_checkpointing=self.space.vit_checkpointing(c))
-        return None if est is None else est.total_gb
-
     def _fits(self, c: dict, share: float | None) -> tuple[bool, str]:
-        if self.memory is None:
-            return True, "memory unknown"
-        lay, ctx = self.space.layout(c), self.space.ctx
-        kw = dict(distributed_optimizer=ctx.distributed_optimizer, vit_checkpointing=self.space.vit_checkpointing(c))
-        oom = self.memory.predicted_oom(lay, ctx.model, **kw)
-        if oom:
-            return False, oom
-        gb = self.memory.predict(lay, ctx.model, **kw)
+        a = self.judge.assess(c)
+        if a.predicted_oom:
+            return False, a.predicted_oom
+        gb = a.predicted_gb
         if gb is None:
             return True, "memory unknown"
-        cap = ctx.gpu_memory_gb
+        cap = self.judge.capacity_gb
         if share is not None and gb > share * cap:
             return False, f"{gb:.0f}/{cap:g} GB"
-        ooms = sum(1 for o in self.history if o.launched and o.kind == "oom")
+        ooms = sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
-            if ooms >= self.max_ooms and not self.memory.proven_fit(lay, ctx.model, **kw):
+            if ooms >= self.max_ooms and not a.proven_fit:
                 # budget spent: nothing the learned model puts above the largest run that fit
-                ran = [g for o in self.history if o.ok and (g := self.predict_gb(o.candidate)) is not None]
+                ran = [g for o in self.history if o.ok and (g := self.judge.assess(o.candidate).predicted_gb) is not None]
                 if ran and gb > max(ran) + 1e-9:
                     return False, (f"{gb:.0f}/{cap:g} GB, above the largest run that fit ({max(ran):.0f} GB) "
                                    f"after {ooms} OOM")
-            risk = self.risk_of_oom(c)
+            risk = a.oom_risk
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
                                f"above {100 * allowed:g} % after {ooms} OOM")
@@ -200,9 +192,9 @@ class HeuristicStrategy(Strategy):
             oc = o.candidate
             if not o.launched or _lay(oc) != lay:
                 continue
-            if o.state == "failed" and o.kind not in ("oom", None):
+            if o.state == "failed" and o.kind not in (FailureKind.OOM, None):
                 return f"layout failed in trial {o.trial_number} ({o.kind})"
-            if o.kind == "oom" and _rec(oc) == rec and mbs >= oc.get("mbs", 1) and \
+            if o.kind == FailureKind.OOM and _rec(oc) == rec and mbs >= oc.get("mbs", 1) and \
                     c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
                     c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing"):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
@@ -223,8 +215,8 @@ class HeuristicStrategy(Strategy):
         return None
 
     # --- proposing ----------------------------------------------------------------------------------
-    def ask(self) -> Proposal | None:
-        tried = self.tried_keys()  # told, or pending in this wave (parallel_trials): the next best
+    def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
+        tried = self.tried_keys(pending)  # told, or pending in this wave (parallel_trials): the next best
         ok = [o for o in self.history if self._usable(o)]
         if not ok:
             return self._first(tried)
@@ -257,7 +249,7 @@ class HeuristicStrategy(Strategy):
         # the memory limit a launch may run out of memory and teach nothing about speed, so a candidate's
         # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
         hopeful = np.flatnonzero(ucb > target * (1 + self.min_gain))
-        risk = np.array([self.risk_of_oom(self._pool[at[j]]) for j in hopeful])
+        risk = np.array([self.judge.assess(self._pool[at[j]]).oom_risk for j in hopeful])
         risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
         order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
         for j in order:
@@ -288,14 +280,14 @@ class HeuristicStrategy(Strategy):
     def _probe_ok(self, c: dict) -> bool:
         """May this candidate, screened only by the memory estimate, be launched as a probe? Once per
         `memory_probes`, never after an OOM, and only just past the limit (`probe_reach`)."""
-        if self.memory is None or self.memory_probes <= 0 or self.max_ooms <= 0:
+        if self.memory_probes <= 0 or self.max_ooms <= 0:
             return False
         launched = [o for o in self.history if o.launched]
-        if sum(1 for o in launched if o.kind == "oom") or \
+        if sum(1 for o in launched if o.kind == FailureKind.OOM) or \
                 sum(1 for o in self.history if o.probe) >= self.memory_probes:
             return False
-        gb = self.predict_gb(c)
-        return gb is not None and gb <= self.space.ctx.gpu_memory_gb * (1 + self.probe_reach)
+        gb = self.judge.assess(c).predicted_gb
+        return gb is not None and gb <= self.judge.capacity_gb * (1 + self.probe_reach)
 
     def _first(self, tried: set[tuple]) -> Proposal | None:
         for i in np.argsort(-self._prior, kind="stable"):
@@ -309,7 +301,7 @@ class HeuristicStrategy(Strategy):
         # Nothing fits with the wide margin (a space whose every layout is near the memory limit, e.g.
         # 7 GPUs): rather than give up while valid candidates remain, start with the one predicted to
         # need the least memory among those the study's screen lets through.
-        fallback = [(self.predict_gb(c) or 0.0, i) for i, c in enumerate(self._pool)
+        fallback = [(self.judge.assess(c).predicted_gb or 0.0, i) for i, c in enumerate(self._pool)
                     if self._keys[i] not in tried and not self._ruled_out(c) and self._fits(c, None)[0]]
         if fallback:
             gb, i = min(fallback)
@@ -352,7 +344,7 @@ class HeuristicStrategy(Strategy):
         return "best layout, " + ", ".join(parts)
 
     def _layout_note(self, c: dict) -> str:
-        ctx, m = self.space.ctx, self.space.ctx.model
+        ctx, m = self.ctx, self.ctx.model
         notes = [" ".join(f"{k}={c[k]}" for k in LAYOUT_PARAMS if k in c)]
         if c.get("tp", 1) > 1:
             notes.append(f"tp{c['tp']} inside a node")

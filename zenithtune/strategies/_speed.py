@@ -87,13 +87,32 @@ class SpeedModel:
             return
         self._fitted = key
         idx = np.asarray(measured, dtype=int)
-        y = np.asarray(log_rates, dtype=float)
         tab = {k: v[idx] for k, v in self._tab.items()}
+        prec = np.concatenate([[0.0 if level_sd is None else 1.0 / level_sd ** 2], 1.0 / self._sd ** 2])
+        theta, A, exercised = self._posterior_mode(tab, np.asarray(log_rates, dtype=float), prec)
+        self.mult = dict(zip(COMPONENTS, np.exp(theta).tolist(), strict=True))
+        self._exercised = {k for k, e in zip(COMPONENTS, exercised, strict=True) if e}
+        self.prior = self._tflops(self._tab, self.mult)
+        self.sd = self._prior_sd(theta, A)
+
+    def _jacobian(self, tab: Mapping[str, np.ndarray], theta: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """d (level + log prior) / d (level, log-multipliers), by finite differences from `at`."""
+        K = len(COMPONENTS)
+        J = np.ones((len(at), K + 1))
+        for k in range(K):
+            step = theta.copy()
+            step[k] += _H
+            J[:, k + 1] = (self._log_prior(tab, step) - at) / _H
+        return J
+
+    def _posterior_mode(self, tab: Mapping[str, np.ndarray], y: np.ndarray,
+                        prec: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Gauss-Newton on (level, log-multipliers) for the measured rows `tab`: the log-multipliers at
+        the mode, the last normal matrix (the posterior precision) and which components any row exercises."""
         K = len(COMPONENTS)
         theta = np.zeros(K)
         base = self._log_prior(tab, theta)
         level = float(np.mean(y - base))
-        prec = np.concatenate([[0.0 if level_sd is None else 1.0 / level_sd ** 2], 1.0 / self._sd ** 2])
 
         def objective(lv: float, th: np.ndarray, g: np.ndarray) -> float:
             r = y - lv - g
@@ -102,12 +121,7 @@ class SpeedModel:
         g = base
         exercised = np.zeros(K, dtype=bool)
         for _ in range(STEPS):
-            J = np.empty((len(idx), K + 1))
-            J[:, 0] = 1.0
-            for k in range(K):
-                step = theta.copy()
-                step[k] += _H
-                J[:, k + 1] = (self._log_prior(tab, step) - g) / _H
+            J = self._jacobian(tab, theta, g)
             exercised |= np.abs(J[:, 1:]).max(axis=0) > 1e-6
             cur = np.concatenate([[level], theta])
             A = J.T @ J / NOISE_SD ** 2 + np.diag(prec)
@@ -126,21 +140,17 @@ class SpeedModel:
             level, theta, g = float(new[0]), new[1:], g_new
             if float(np.abs(delta).max()) < 1e-4:
                 break
-        self.mult = dict(zip(COMPONENTS, np.exp(theta).tolist(), strict=True))
-        self._exercised = {k for k, e in zip(COMPONENTS, exercised, strict=True) if e}
-        self.prior = self._tflops(self._tab, self.mult)
-        # how unsure the fit leaves each candidate's prior (log): the multipliers' posterior covariance
-        # (Laplace, at the mode; with the level, which trades against the GEMMs) through each candidate's
-        # sensitivity to them, so a candidate whose components no run pinned down keeps its doubt
+        return theta, A, exercised
+
+    def _prior_sd(self, theta: np.ndarray, A: np.ndarray) -> np.ndarray:
+        """How unsure the fit leaves each candidate's prior (log): the multipliers' posterior covariance
+        (Laplace, at the mode; with the level, which trades against the GEMMs) through each candidate's
+        sensitivity to them, so a candidate whose components no run pinned down keeps its doubt. Of
+        level + log prior: what all candidates share (GEMMs against the level) cancels out."""
+        K = len(COMPONENTS)
         cov = np.linalg.inv(A + 1e-12 * np.eye(K + 1))
-        logp = np.log(self.prior)
-        Jp = np.ones((len(logp), K + 1))
-        for k in range(K):
-            step = theta.copy()
-            step[k] += _H
-            Jp[:, k + 1] = (self._log_prior(self._tab, step) - logp) / _H
-        # of level + log prior: what all candidates share (GEMMs against the level) cancels out
-        self.sd = np.sqrt(np.maximum(np.einsum("ik,kl,il->i", Jp, cov, Jp), 0.0))
+        Jp = self._jacobian(self._tab, theta, np.log(self.prior))
+        return np.sqrt(np.maximum(np.einsum("ik,kl,il->i", Jp, cov, Jp), 0.0))
 
     def learned(self) -> str:
         """The multipliers that moved noticeably, largest first: 'ep comm x1.31, pp bubble/p2p x0.80'."""

@@ -22,12 +22,12 @@ uses it to order candidates. Hardware defaults are an H100 node (989 TFLOP/s bf1
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from zenithtune.modelinfo import ModelInfo
+from zenithtune.shape import Shape
 
 PEAK_FLOPS = 989e12
 # What real runs reach of this model's ideal: kernels below roofline, launch gaps, stragglers, the
@@ -47,51 +47,12 @@ SELECTIVE_EXTRA = 1 / 3  # selective recompute re-runs the attention core's forw
 FULL_EXTRA = 1 / 3  # full recompute re-runs the whole layer's forward
 
 
-@dataclass(frozen=True)
-class Shape:
-    L: int
-    h: int
-    a: int
-    g: int
-    d: int
-    F: int
-    V: int
-    s: int
-    E: int
-    k: int
-    Fm: int
-    Fs: int
-    n_moe: int
-    glu: int  # 3 for SwiGLU, 2 for a plain MLP
-    vision_layers: int
-    vision_hidden: int
-    vision_ffn: int
-    vision_tokens: int
-
-    @classmethod
-    def of(cls, m: ModelInfo) -> Shape:
-        h = m.hidden_size or 4096
-        a = m.num_attention_heads or max(1, h // 128)
-        glu = m.swiglu is not False
-        F = m.ffn_hidden_size or (int(8 * h / 3 / 64) * 64 if glu else 4 * h)
-        L = m.num_layers or 32
-        E = (m.num_experts or 0) if m.is_moe else 0
-        s = m.seq_length or 4096
-        vh = (m.vision_hidden_size or 1280) if m.is_vlm else 0
-        return cls(L=L, h=h, a=a, g=m.num_query_groups or a, d=m.head_dim or h // a, F=F,
-                   V=m.vocab_size or 131072, s=s, E=E, k=(m.moe_router_topk or 2) if E else 0,
-                   Fm=(m.moe_ffn_hidden_size or F) if E else 0, Fs=(m.moe_shared_expert_size or 0) if E else 0,
-                   n_moe=-(-L // (m.moe_layer_freq or 1)) if E else 0, glu=3 if glu else 2,
-                   vision_layers=(m.vision_num_layers or 32) if m.is_vlm else 0, vision_hidden=vh,
-                   vision_ffn=(m.vision_ffn_hidden_size or 4 * vh) if m.is_vlm else 0,
-                   vision_tokens=(m.vision_seq_length or s) if m.is_vlm else 0)
-
-    def model_flops_per_token(self) -> float:
-        """Model FLOPs per token per iteration (MEGATRON.md §Model FLOPs; recompute not counted)."""
-        attn = 6 * self.h * self.d * (2 * self.a + 2 * self.g) + 6 * self.s * self.a * self.d
-        dense = 6 * self.glu * self.h * self.F
-        moe = 6 * self.glu * self.h * (self.Fm * self.k + self.Fs)
-        return self.L * attn + (self.L - self.n_moe) * dense + self.n_moe * moe + 6 * self.h * self.V
+def model_flops_per_token(x: Shape) -> float:
+    """Model FLOPs per token per iteration (MEGATRON.md §Model FLOPs; recompute not counted)."""
+    attn = 6 * x.h * x.d * (2 * x.a + 2 * x.g) + 6 * x.s * x.a * x.d
+    dense = 6 * x.mlp_mats * x.h * x.F
+    moe = 6 * x.mlp_mats * x.h * (x.Fm * x.k + x.Fs)
+    return x.L * attn + (x.L - x.n_moe) * dense + x.n_moe * moe + 6 * x.h * x.V
 
 
 def _eff(*dims: float) -> float:
@@ -116,10 +77,71 @@ def _a2a(nbytes: float, span: int, gpus_per_node: int) -> float:
 COMPONENTS = ("gemm", "attention", "tp", "cp", "ep", "dp", "pp")
 
 
+def _bandwidth(span: int, gpus_per_node: int) -> float:
+    """Bytes/s of a collective over `span` consecutive ranks: NVLink inside a node, else the network."""
+    return NVLINK_BYTES_S if span <= gpus_per_node else NETWORK_BYTES_S
+
+
+def _layer_compute(x: Shape, tok: float, t: int, e: int, et: int) -> dict[str, float]:
+    """Seconds of one layer's GEMMs and attention core, forward + backward, one micro-batch."""
+    attn_lin = tok * 6 * x.h * x.d * (2 * x.a + 2 * x.g) / t / (PEAK_FLOPS * _eff(tok, x.h / t))
+    scores = tok * 6 * x.s * x.a * x.d / t / (PEAK_FLOPS * ATTENTION_EFF * _eff(tok, x.a * x.d / t))
+    dense_mlp = tok * 6 * x.mlp_mats * x.h * x.F / t / (PEAK_FLOPS * _eff(tok, x.F / t))
+    moe_mlp = 0.0
+    if x.E:
+        per_expert_tokens = tok * x.k * e * et / (t * x.E)
+        moe_mlp = (tok * x.k * 6 * x.mlp_mats * x.h * x.Fm / t
+                   / (PEAK_FLOPS * GROUPED_GEMM_EFF * _eff(per_expert_tokens, x.Fm / et, x.h)))
+        if x.Fs:
+            moe_mlp += tok * 6 * x.mlp_mats * x.h * x.Fs / t / (PEAK_FLOPS * _eff(tok, x.Fs / t))
+    return {"attn_lin": attn_lin, "scores": scores, "dense_mlp": dense_mlp, "moe_mlp": moe_mlp}
+
+
+def _layer_comm(x: Shape, tok: float, t: int, c: int, e: int, et: int, gpus_per_node: int) -> dict[str, float]:
+    """Seconds of one layer's TP, CP and MoE dispatcher traffic on the critical path, one micro-batch."""
+    bw = lambda span: _bandwidth(span, gpus_per_node)  # noqa: E731
+    # TP with SP: all-gather + reduce-scatter around attention and around the MLP, forward and backward
+    tp_half = 4 * _ring(2 * tok * x.h, t, bw(t)) * TP_EXPOSED  # attention's (or the dense MLP's) share
+    cp_ring = 0.0
+    if c > 1:
+        kv = 2 * 2 * tok * x.g * x.d / max(1, min(t, x.g))  # K and V, bf16
+        cp_ring = 3 * (c - 1) * (kv / bw(t * c) + LATENCY_S)  # forward once, backward twice (dK, dV)
+    ep_comm = 0.0
+    if x.E and e > 1:
+        routed = 2 * tok / t * x.k * x.h  # bytes of this rank's routed token copies, bf16
+        ep_comm = 4 * (_a2a(routed * (e - 1) / e, e * et, gpus_per_node) + LATENCY_S) * EP_EXPOSED
+    if x.E and et > 1:  # expert TP gathers the routed token copies inside the ETP group (adjacent ranks)
+        ep_comm += 4 * _ring(2 * tok / t * x.k * x.h * et, et, bw(et)) * TP_EXPOSED
+    return {"tp_half": tp_half, "cp_ring": cp_ring, "ep_comm": ep_comm}
+
+
+def _vision_seconds(x: Shape, b: int, cand: Mapping[str, Any]) -> float:
+    """A VLM's vision tower, unsharded on the first stage (twice its forward with ViT checkpointing)."""
+    if not x.vision_layers:
+        return 0.0
+    vt = b * x.vision_tokens
+    vflops = vt * 6 * x.vision_layers * (4 * x.vision_hidden ** 2 + 2 * x.vision_hidden * x.vision_ffn)
+    ckpt = cand.get("vit_gradient_checkpointing", True) is not False
+    return vflops / (PEAK_FLOPS * _eff(vt, x.vision_hidden)) * (1 + (FULL_EXTRA if ckpt else 0.0))
+
+
+def _dp_sync(x: Shape, n_gpus: int, t: int, p: int, c: int, e: int, et: int, d_: int,
+             gpus_per_node: int) -> dict[str, float]:
+    """Once per iteration: gradient sync over data (and context) parallel ranks; experts over their own
+    expert-data-parallel ranks (their gradients are most of a MoE model's). fp32 gradients are
+    reduce-scattered, bf16 parameters all-gathered."""
+    dense_params = x.L / p * (x.h * x.d * (2 * x.a + 2 * x.g) + (x.mlp_mats * x.h * x.F if not x.E else 0)) / t
+    expert_params = x.n_moe / p * x.E * x.mlp_mats * x.h * x.Fm / (e * et) if x.E else 0.0
+    edp = max(1, n_gpus // (e * et * p))
+    span = _bandwidth(n_gpus // p, gpus_per_node)
+    return {"reduce": _ring(4 * dense_params, d_ * c, span) + _ring(4 * expert_params, edp, span),
+            "gather": _ring(2 * dense_params, d_ * c, span) + _ring(2 * expert_params, edp, span)}
+
+
 def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
            gpus_per_node: int = 8) -> dict[str, float]:
     """The raw times (and counts) one candidate's iteration is assembled from (`assemble`)."""
-    x = Shape.of(model)
+    x = Shape.assumed(model)
     t, p, c = int(cand.get("tp", 1)), int(cand.get("pp", 1)), int(cand.get("cp", 1))
     e = int(cand.get("ep", 1)) if x.E else 1
     et = int(cand.get("etp") or t) if x.E else t
@@ -133,57 +155,16 @@ def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
         recomputed = per_stage if method == "uniform" else min(nrec, per_stage)
     else:
         recomputed = 0
-
-    def bw(span: int) -> float:
-        return NVLINK_BYTES_S if span <= gpus_per_node else NETWORK_BYTES_S
-
     tok = b * x.s / c  # tokens per rank per micro-batch
-    # --- one layer, forward + backward, one micro-batch ------------------------------------------
-    attn_lin = tok * 6 * x.h * x.d * (2 * x.a + 2 * x.g) / t / (PEAK_FLOPS * _eff(tok, x.h / t))
-    scores = tok * 6 * x.s * x.a * x.d / t / (PEAK_FLOPS * ATTENTION_EFF * _eff(tok, x.a * x.d / t))
-    dense_mlp = tok * 6 * x.glu * x.h * x.F / t / (PEAK_FLOPS * _eff(tok, x.F / t))
-    moe_mlp = 0.0
-    if x.E:
-        per_expert_tokens = tok * x.k * e * et / (t * x.E)
-        moe_mlp = (tok * x.k * 6 * x.glu * x.h * x.Fm / t
-                   / (PEAK_FLOPS * GROUPED_GEMM_EFF * _eff(per_expert_tokens, x.Fm / et, x.h)))
-        if x.Fs:
-            moe_mlp += tok * 6 * x.glu * x.h * x.Fs / t / (PEAK_FLOPS * _eff(tok, x.Fs / t))
-    # TP with SP: all-gather + reduce-scatter around attention and around the MLP, forward and backward
-    tp_half = 4 * _ring(2 * tok * x.h, t, bw(t)) * TP_EXPOSED  # attention's (or the dense MLP's) share
-    cp_ring = 0.0
-    if c > 1:
-        kv = 2 * 2 * tok * x.g * x.d / max(1, min(t, x.g))  # K and V, bf16
-        cp_ring = 3 * (c - 1) * (kv / bw(t * c) + LATENCY_S)  # forward once, backward twice (dK, dV)
-    ep_comm = 0.0
-    if x.E and e > 1:
-        routed = 2 * tok / t * x.k * x.h  # bytes of this rank's routed token copies, bf16
-        ep_comm = 4 * (_a2a(routed * (e - 1) / e, e * et, gpus_per_node) + LATENCY_S) * EP_EXPOSED
-    if x.E and et > 1:  # expert TP gathers the routed token copies inside the ETP group (adjacent ranks)
-        ep_comm += 4 * _ring(2 * tok / t * x.k * x.h * et, et, bw(et)) * TP_EXPOSED
-    vision = 0.0
-    if x.vision_layers:
-        vt = b * x.vision_tokens
-        vflops = vt * 6 * x.vision_layers * (4 * x.vision_hidden ** 2 + 2 * x.vision_hidden * x.vision_ffn)
-        ckpt = cand.get("vit_gradient_checkpointing", True) is not False
-        vision = vflops / (PEAK_FLOPS * _eff(vt, x.vision_hidden)) * (1 + (FULL_EXTRA if ckpt else 0.0))
-    # --- once per iteration: gradient sync over data (and context) parallel ranks; experts over
-    # their own expert-data-parallel ranks (their gradients are most of a MoE model's) ------------
-    dense_params = x.L / p * (x.h * x.d * (2 * x.a + 2 * x.g) + (x.glu * x.h * x.F if not x.E else 0)) / t
-    expert_params = x.n_moe / p * x.E * x.glu * x.h * x.Fm / (e * et) if x.E else 0.0
-    edp = max(1, n_gpus // (e * et * p))
-    span = bw(n_gpus // p)
+    bw = lambda span: _bandwidth(span, gpus_per_node)  # noqa: E731
     return dict(
-        attn_lin=attn_lin, scores=scores, dense_mlp=dense_mlp, moe_mlp=moe_mlp, tp_half=tp_half, cp_ring=cp_ring,
-        ep_comm=ep_comm, vision=vision, frac=recomputed / per_stage, selective=float(gran == "selective"),
+        **_layer_compute(x, tok, t, e, et), **_layer_comm(x, tok, t, c, e, et, gpus_per_node),
+        vision=_vision_seconds(x, b, cand), frac=recomputed / per_stage, selective=float(gran == "selective"),
         per_stage=float(per_stage), moe_share=x.n_moe / x.L,
         logits_gemm=tok * 6 * x.h * x.V / t / (PEAK_FLOPS * _eff(tok, x.V / t)),
         logits_comm=2 * _ring(4 * tok * x.h, t, bw(t)),
         p2p=0.0 if p == 1 else 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5,
-        m=float(m), bubble=float(p - 1),
-        # fp32 gradients reduce-scattered, bf16 parameters all-gathered
-        reduce=_ring(4 * dense_params, d_ * c, span) + _ring(4 * expert_params, edp, span),
-        gather=_ring(2 * dense_params, d_ * c, span) + _ring(2 * expert_params, edp, span))
+        m=float(m), bubble=float(p - 1), **_dp_sync(x, n_gpus, t, p, c, e, et, d_, gpus_per_node))
 
 
 def _max(a: Any, b: Any) -> Any:
@@ -235,8 +216,8 @@ def assemble(pc: Mapping[str, Any], mult: Mapping[str, Any] | None = None) -> An
 
 def tflops_of(seconds: Any, *, model: ModelInfo, n_gpus: int, gbs: int) -> Any:
     """Believed TFLOP/s per GPU (model FLOPs) of an iteration believed to take `seconds`."""
-    x = Shape.of(model)
-    return TYPICAL_EFFICIENCY * gbs * x.s * x.model_flops_per_token() / (n_gpus * seconds) / 1e12
+    x = Shape.assumed(model)
+    return TYPICAL_EFFICIENCY * gbs * x.s * model_flops_per_token(x) / (n_gpus * seconds) / 1e12
 
 
 def predict_tflops(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
