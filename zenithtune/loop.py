@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from zenithtune import record, signals, traits
 from zenithtune import study as zstudy
+from zenithtune.dominance import needs_no_more
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
@@ -82,6 +83,13 @@ class StudyLoop:
         self.durations: list[float] = []  # successful trials' wall times (dynamic timeouts)
         self.refused: list[traits.Trait] = []  # features the trainer refused: candidates carrying one are pruned
         self.waves = 0
+        # The OOM budget (`max_ooms`), whatever the strategy: every launch that ran out of memory, and
+        # every run that fit (memory proofs); past the budget only what is proven to fit is launched.
+        self.max_ooms = job.conf.max_ooms
+        self.oom_runs: list[Outcome] = []
+        self.fit_runs: list[Outcome] = []
+        self._unproven_in_wave = 0  # launches of this wave that may run out of memory
+        self._unproven = False  # the candidate just screened is one of those
         self._known: set[int] = set()  # trial numbers the strategy has been told about
         self._open: dict[int, optuna.Trial] = {}  # asked here, not yet told
 
@@ -107,6 +115,10 @@ class StudyLoop:
             self.measured[self.job.space.key(o.candidate)] = o
             if o.ok and o.duration:
                 self.durations.append(float(o.duration))
+            if o.ok:
+                self.fit_runs.append(o)
+            elif o.kind == FailureKind.OOM.value:
+                self.oom_runs.append(o)
 
     def _sync(self) -> None:
         """Tell the strategy what other workers measured since the last wave (a shared study)."""
@@ -148,6 +160,7 @@ class StudyLoop:
             if fail_fast and first_used < fail_fast <= used and not any(o.ok for o in self.measured.values()):
                 return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
             wave: list[Pending] = []
+            self._unproven_in_wave = 0
             exhausted = False
             width = 1 if strategy.sequential else self.parallel
             while len(wave) < min(width, n_trials - used):
@@ -177,12 +190,14 @@ class StudyLoop:
                         self._abandon_wave([Pending(trial, cand, proposal, None, 0)])
                         return f"n_trials={n_trials} launched"
                 trial.set_user_attr(Attr.LAUNCHED, True)
+                self._unproven_in_wave += self._unproven
                 strategy.pending.append(cand)  # the next ask() proposes something else
                 wave.append(Pending(trial, cand, proposal, self.job.timeouts.limit(self.durations),
                                     n=used + len(wave) + 1))
             if not wave:
                 if exhausted:
-                    return "strategy exhausted"
+                    why = strategy.stop_reason
+                    return f"strategy exhausted: {why}" if why else "strategy exhausted"
                 continue
             strategy.pending.clear()
             launched += len(wave)
@@ -266,13 +281,61 @@ class StudyLoop:
         if broken and broken[0][0] == "predicted_oom" and proposal.probe_memory:
             trial.set_user_attr(Attr.MEMORY_PROBE, broken[0][1])  # launched on purpose; the outcome teaches
             broken = []
+        self._unproven = False
+        if not broken:
+            broken = self._oom_screen(cand, predicted)
         dup = self.measured.get(job.space.key(cand))
-        if not broken and dup is not None:
+        if not broken and dup is not None and proposal.repeat:
+            trial.set_user_attr(Attr.REPEAT_OF, dup.trial_number)  # measured again on purpose (noise)
+        elif not broken and dup is not None:
             broken = [("duplicate", f"already measured as trial {dup.trial_number}")]
             trial.set_user_attr(Attr.DUPLICATE_OF, dup.trial_number)
         if not broken:
             return None
         return self._prune(trial, cand, proposal, broken, predicted)
+
+    # --- the OOM budget, for every strategy ---------------------------------------------------------
+    def _no_more_than(self, cand: dict, other: dict) -> bool:
+        """Does `cand` surely need no more memory than `other` (dominance.py: structure, not the estimate)?"""
+        space = self.job.space
+        return needs_no_more(space.layout(cand), space.layout(other), num_layers=space.ctx.model.num_layers,
+                             vlm=space.ctx.model.is_vlm, vit_a=space.vit_checkpointing(cand),
+                             vit_b=space.vit_checkpointing(other))
+
+    def proof_of_fit(self, cand: dict) -> str | None:
+        """Why `cand` surely fits, or None: it needs no more memory than a run that fit (structurally, or
+        in every component of the estimate), or the learned memory model puts it more than 3 sd under the
+        GPU's capacity."""
+        for o in self.fit_runs:
+            if self._no_more_than(cand, o.candidate):
+                return f"needs no more memory than trial {o.trial_number}, which fit"
+        job = self.job
+        args = job.space.memory_args(cand)
+        if job.memory.proven_fit(**args):
+            return "needs no more of any memory component than a run that fit"
+        gb, sd = job.memory.predict(**args), job.memory.predict_sd(**args)
+        if gb is not None and sd is not None and gb + 3 * sd <= job.memory.capacity_gb:
+            return f"learned {gb:.0f} +- {sd:.1f} GB, 3 sd under {job.memory.capacity_gb:g} GB"
+        return None
+
+    def _oom_screen(self, cand: dict, predicted: float | None) -> list[tuple[str, str]]:
+        """What an OOM proves, and the study's OOM budget: a candidate needing at least as much memory as
+        a run that ran out is not launched; once `max_ooms` launches ran out of memory (counting this
+        wave's unproven ones), only what `proof_of_fit` proves fits is."""
+        for o in self.oom_runs:
+            if self._no_more_than(o.candidate, cand):
+                return [("oom_dominated", f"needs at least as much memory as trial {o.trial_number}, which ran "
+                                          f"out of memory (same or narrower split, mbs >= its, recompute <= its)")]
+        self._unproven = False
+        if self.proof_of_fit(cand) is not None:
+            return []
+        spent = len(self.oom_runs) + self._unproven_in_wave
+        if spent >= self.max_ooms:
+            est = "" if predicted is None else f" (predicted {predicted:.0f} GB)"
+            return [("oom_budget", f"the study spent its max_ooms={self.max_ooms} launches that may run out of "
+                                   f"memory ({len(self.oom_runs)} ran out); this candidate{est} is not proven to fit")]
+        self._unproven = True
+        return []
 
     def _prune(self, trial: optuna.Trial, cand: dict, proposal: Proposal, broken: list[tuple[str, str]],
                predicted: float | None) -> Outcome:
@@ -284,7 +347,10 @@ class StudyLoop:
         return outcome
 
     def _claim(self, trial: optuna.Trial, cand: dict, proposal: Proposal) -> Outcome | None:
-        """Claim the candidate for this trial in the storage; a duplicate outcome if another holds it."""
+        """Claim the candidate for this trial in the storage; a duplicate outcome if another holds it.
+        A repeat is launched under the claim its first measurement holds."""
+        if proposal.repeat and Attr.REPEAT_OF in trial.user_attrs:
+            return None
         held = self.claims.claim(zstudy.claim_key(self.job.space.key(cand)), trial.number, self._measured_nothing)
         if held is None or held == trial.number:
             return None
@@ -337,6 +403,7 @@ class StudyLoop:
         return Outcome(candidate=p.cand, state="failed", launched=True, trial_number=p.number,
                        predicted_gb=p.trial.user_attrs.get(Attr.PREDICTED_GB), stage=p.proposal.stage,
                        probe=Attr.MEMORY_PROBE in p.trial.user_attrs, why=p.proposal.why,
+                       repeat_of=p.trial.user_attrs.get(Attr.REPEAT_OF),
                        timeout=None if p.limit is None else round(p.limit, 1))
 
     def _record(self, p: Pending, res: Launched, started: float) -> Outcome:

@@ -51,6 +51,7 @@ class Attr:
     WHY = "why"  # the strategy's one-line reason
     DUPLICATE_OF = "duplicate_of"
     MEMORY_PROBE = "memory_probe"  # launched past the memory screen on purpose: the screen's reason
+    REPEAT_OF = "repeat_of"  # a measured candidate launched again (noise): the trial it repeats
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Outcome:
     trial_number: int | None = None
     stage: str | None = None
     probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
+    repeat_of: int | None = None  # a repeated measurement of this trial's candidate (Proposal.repeat)
     why: str = ""  # the strategy's reason for proposing it
     argv: list[str] | None = None
     env: dict[str, str] | None = None
@@ -163,6 +165,7 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         predicted_gb=_amount(a.get(Attr.PREDICTED_GB)), measured_gb=_amount(a.get(Attr.MEASURED_GB)),
         reserved_gb=_amount(a.get(Attr.RESERVED_GB)), needed_gb=_amount(a.get(Attr.NEEDED_GB)), trial_number=t.number,
         stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
+        repeat_of=a.get(Attr.REPEAT_OF) if isinstance(a.get(Attr.REPEAT_OF), int) else None,
         argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT))
 
 
@@ -183,3 +186,20 @@ def kind_counts(outcomes: Iterable[Outcome]) -> Counter[str]:
 def budget_used(outcomes: Iterable[Outcome]) -> int:
     """Launched trials that count against n_trials."""
     return sum(1 for o in outcomes if o.counts)
+
+
+def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:
+    """The complete outcome whose candidate has the best median score: a candidate measured several
+    times (`Proposal.repeat`) counts once, at the median of its scores (of an even count, the worse of
+    the middle two: a measured value, and a best that must hold on its repeat)."""
+    groups: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        if o.ok:
+            groups.setdefault(json.dumps(o.candidate, sort_keys=True, default=str), []).append(o)
+    if not groups:
+        return None
+    sign = 1.0 if direction == "maximize" else -1.0
+    medians = {k: sorted(sign * float(o.value) for o in g)[(len(g) - 1) // 2] * sign  # type: ignore[arg-type]
+               for k, g in groups.items()}
+    key = max(groups, key=lambda k: sign * medians[k])
+    return next(o for o in groups[key] if float(o.value) == medians[key])  # type: ignore[arg-type]

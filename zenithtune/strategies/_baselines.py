@@ -34,7 +34,7 @@ class TPEStrategy(Strategy):
         # valid candidates already measured or screened for memory/duplication; structural rejects
         # are not part of walk() and do not count
         seen = {self.space.key(o.candidate) for o in self.history
-                if o.launched or set(o.rules) <= {"predicted_oom", "duplicate"}}
+                if o.launched or set(o.rules) <= {"predicted_oom", "duplicate", "oom_dominated", "oom_budget"}}
         if len(seen) >= self._valid:
             return None
         return Proposal({}, why="tpe")
