@@ -14,7 +14,10 @@ from functools import cache
 from typing import Any
 
 from zenithtune.modelinfo import ModelInfo
+from zenithtune.sim import flavours
+from zenithtune.sim.flavours import PLAIN, Flavour
 from zenithtune.sim.hardware import GPU, GPUS
+from zenithtune.sim.noise import QUIET, Noise
 from zenithtune.sim.perturb import NONE, Perturbation, from_options
 from zenithtune.validate import Layout
 
@@ -73,6 +76,8 @@ class SimConfig:
     seed: int = 0  # --sim-seed
     time_scale: float = 0.0  # --sim-time-scale
     perturb: Perturbation = NONE  # --sim-perturb-seed / --sim-perturb-scale / --sim-perturb (sim/perturb.py)
+    flavour: Flavour = PLAIN  # --sim-flavour: structurally different physics (sim/flavours.py)
+    noise: Noise = QUIET  # --sim-noise-sigma / --sim-outlier-rate / --sim-noise-seed (sim/noise.py)
     notes: tuple[str, ...] = field(default=())  # lines Megatron prints while parsing (padded vocab, ...)
     warnings: tuple[str, ...] = field(default=())  # Megatron-style warnings for stderr
 
@@ -203,6 +208,7 @@ def megatron_parser() -> _Parser:
     p.add_argument("--sim-time-scale", type=float, default=0.0,
                    help="sleep this x the simulated wall time (0: instant)")
     add_perturb_options(p.add_argument, "--sim-perturb-seed", "--sim-perturb-scale", "--sim-perturb")
+    add_flavour_options(p.add_argument, "--sim-flavour", "--sim-noise-sigma", "--sim-outlier-rate", "--sim-noise-seed")
     return p
 
 
@@ -211,6 +217,29 @@ def add_perturb_options(add: Any, seed: str, scale: str, factors: str) -> None:
     add(seed, type=int, default=None, help="draw per-component errors of memory and speed from this seed")
     add(scale, type=float, default=0.3, help="largest drawn error per component (0.3: +-30 %%)")
     add(factors, default=None, help="explicit factors, e.g. ep_comm=1.3,activations=1.2 (sim/perturb.py)")
+
+
+def add_flavour_options(add: Any, flavour: str, sigma: str, rate: str, seed: str) -> None:
+    """The flavour and measurement-noise options (both front ends spell them their own way)."""
+    add(flavour, action="append", default=None,
+        help="structurally different physics, e.g. stand_in or mbs_buffers,tp_exposed (sim/flavours.py)")
+    add(sigma, type=float, default=0.0, help="per-run noise: iteration times x exp(N(0, sigma)) (0.03: ~3 %%)")
+    add(rate, type=float, default=0.0, help="share of runs 1.5x slower (outliers)")
+    add(seed, type=int, default=0, help="seed of the measurement noise")
+
+
+def flavour_of(args: Any) -> Flavour:
+    try:
+        return flavours.parse(",".join(args.sim_flavour or []))
+    except ValueError as err:
+        raise ConfigError(str(err), "ValueError") from None
+
+
+def noise_of(args: Any) -> Noise:
+    try:
+        return Noise(args.sim_noise_sigma, args.sim_outlier_rate, args.sim_noise_seed)
+    except ValueError as err:
+        raise ConfigError(str(err), "ValueError") from None
 
 
 def perturbation(args: Any) -> Perturbation:
@@ -336,7 +365,7 @@ def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
         tp_comm_overlap=args.tp_comm_overlap, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, log_throughput=args.log_throughput, vision=vision,
         noise_pct=args.sim_noise, seed=args.sim_seed, time_scale=args.sim_time_scale, perturb=perturbation(args),
-        notes=tuple(notes), warnings=tuple(warnings))
+        flavour=flavour_of(args), noise=noise_of(args), notes=tuple(notes), warnings=tuple(warnings))
 
 
 def check_overlap_flags(args: Any, sequence_parallel: bool) -> None:

@@ -16,6 +16,7 @@ from zenithtune.job import Job
 from zenithtune.record import Launched
 from zenithtune.run import FailureKind
 from zenithtune.sim import simulate
+from zenithtune.sim.noise import RUN_ENV
 from zenithtune.validate import required_env
 
 
@@ -28,15 +29,18 @@ def sim_argv(job: Job, cand: dict[str, Any]) -> list[str]:
 def launcher(job: Job, *, truth: dict[int, float] | None = None,
              oom_if: Callable[[dict[str, Any]], bool] | None = None
              ) -> Callable[[int, dict[str, Any], float | None], Launched]:
-    """A launch function for `StudyLoop`. `truth` collects each trial's steady-state TFLOP/s (no log
-    jitter) by trial number; `oom_if(cand)` forces an out-of-memory failure (tests)."""
+    """A launch function for `StudyLoop`. `truth` collects each trial's steady-state TFLOP/s by trial
+    number (no log jitter, no --sim-noise-sigma measurement noise: what the candidate is really worth);
+    `oom_if(cand)` forces an out-of-memory failure (tests)."""
 
     def launch(number: int, cand: dict[str, Any], timeout: float | None) -> Launched:
         if oom_if is not None and oom_if(cand):
             return Launched(None, FailureKind.OOM.value, "CUDA out of memory (forced)", 1.0)
-        res = simulate(sim_argv(job, cand), required_env(job.space.layout(cand)))
-        if truth is not None and res.tflops:
-            truth[number] = res.tflops
+        # the trial number tells two launches of one candidate apart, as the trial marker does in a subprocess
+        env = {**required_env(job.space.layout(cand)), RUN_ENV: str(number)}
+        res = simulate(sim_argv(job, cand), env)
+        if truth is not None and res.true_tflops:
+            truth[number] = res.true_tflops
         if res.kind == "ok":
             try:
                 run = Launched(job.evaluator.evaluate(res.stdout), duration=res.wall_seconds)

@@ -191,7 +191,10 @@ def _layer_activation_bytes(cfg: SimConfig, x: Shape, moe: bool, stored: str) ->
     qkv = 2.0 * (x.a * x.d / x.t + 2 * x.d * x.g_rank)
     tensor_part = qkv + 2.0 * x.a * x.d / x.t + 4.0 * x.a / x.t  # Q,K,V + attention output + softmax stats
     if moe:
-        expert = x.k * MOE_IMBALANCE * (4.0 * x.h + 2.0 * x.gated * x.Fm) / x.t  # routed copies, FC1, act
+        if cfg.flavour.expert_split == "etp":  # tokens gathered over TP, the expert FFN split over ETP
+            expert = x.k * MOE_IMBALANCE * (4.0 * x.h + 2.0 * x.gated * x.Fm / x.et)
+        else:
+            expert = x.k * MOE_IMBALANCE * (4.0 * x.h + 2.0 * x.gated * x.Fm) / x.t  # routed copies, FC1, act
         shared = 2.0 * x.gated * x.Fs / x.t if x.Fs else 0.0
         # the perturbation scales the routed part on its own; `act` below scales the rest
         tensor_part += expert * cfg.perturb.expert_activations / act + shared + 4.0 * x.E / x.t
@@ -262,8 +265,17 @@ def stage_memory(cfg: SimConfig, stage: int) -> StageMemory:
             else vis.num_layers * per_vit_layer
         activations += in_flight * vit * pert.activations
 
+    flav = cfg.flavour
+    if flav.mbs_growth:  # per-micro-batch buffers that grow faster than b (sim/flavours.py)
+        growth = 1.0 + flav.mbs_growth * (x.b - 1)
+        activations *= growth
+        working *= growth
     logits = LOGITS_BYTES * x.tok * x.V / x.t * pert.logits if stage == x.p - 1 else 0.0
     transient = working + logits + WORKSPACE_GIB * GIB
+    if flav.memory_scale != 1.0:
+        scale = flav.memory_scale
+        weights, grads, optimizer = weights * scale, grads * scale, optimizer * scale
+        activations, transient = activations * scale, transient * scale
     candidates = {  # the single biggest allocations of a step, by where they happen
         "megatron/core/tensor_parallel/cross_entropy.py": 4.0 * x.tok * x.V / x.t * pert.logits if logits else 0.0,
         "megatron/core/transformer/mlp.py": 2.0 * x.tok * max(x.gated - 1, 1) * (x.F or x.Fm) / x.t,
@@ -295,6 +307,10 @@ class MemoryReport:
 def fragmentation(cfg: SimConfig) -> float:
     """Reserved over allocated at the peak: varied tensor sizes fragment the caching allocator."""
     x = shape_of(cfg)
+    if cfg.flavour.fragmentation == "recompute_mbs":  # sim/flavours.py: the law depends on recompute and MBS
+        granularity = cfg.layout.recompute_granularity
+        return (1.02 + 0.035 * math.log2(x.b) + {"full": 0.10, "selective": 0.04}.get(granularity or "", 0.0)
+                + (0.05 if x.E > 1 else 0.0))
     frag = 1.04
     if x.E > 1:
         frag += 0.05  # per-expert token counts change every step
@@ -317,5 +333,5 @@ def memory(cfg: SimConfig) -> MemoryReport:
     frag = fragmentation(cfg)
     worst = max(stages, key=lambda st: st.peak_allocated)
     reserved = worst.peak_allocated * frag + 0.25 * GIB
-    non_torch = (CUDA_CONTEXT_GIB + NCCL_GIB_PER_GROUP * nccl_groups(cfg)) * GIB
+    non_torch = (CUDA_CONTEXT_GIB + NCCL_GIB_PER_GROUP * nccl_groups(cfg) + cfg.flavour.overhead_gib) * GIB
     return MemoryReport(stages, worst, reserved, non_torch, cfg.gpu.capacity_gib * GIB)

@@ -24,8 +24,11 @@ from zenithtune.sim.arguments import (
     SimConfig,
     Vision,
     _Parser,
+    add_flavour_options,
     add_perturb_options,
     check_overlap_flags,
+    flavour_of,
+    noise_of,
     padded_vocab,
     perturbation,
     world_size,
@@ -103,6 +106,8 @@ def swift_parser() -> _Parser:
     _add(p, "sim_time_scale", type=float, default=0.0)
     add_perturb_options(lambda name, **kw: _add(p, name, **kw), "sim_perturb_seed", "sim_perturb_scale",
                         "sim_perturb")
+    add_flavour_options(lambda name, **kw: _add(p, name, **kw), "sim_flavour", "sim_noise_sigma", "sim_outlier_rate",
+                        "sim_noise_seed")
     return p
 
 
@@ -169,7 +174,7 @@ def parse_swift(argv: list[str], env: dict[str, str]) -> SimConfig:
         attention_dropout=0.0, tp_comm_overlap=args.tp_comm_overlap, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, log_throughput=False, vision=vision,
         noise_pct=args.sim_noise, seed=args.sim_seed, time_scale=args.sim_time_scale, perturb=perturbation(args),
-        notes=tuple(notes),
+        flavour=flavour_of(args), noise=noise_of(args), notes=tuple(notes),
         warnings=tuple(warnings))
 
 

@@ -38,6 +38,12 @@ DP_MIN_EXPOSED = 0.12  # the last gradient bucket and the final sync are never h
 OPTIMIZER_FIXED_S = 4e-3  # grad-norm, clipping, loss-scale bookkeeping
 ITERATION_FIXED_S = 12e-3  # data loader, logging, host syncs
 LOSS_TRAFFIC_BYTES = 28.0  # HBM bytes moved per logit by the unfused cross-entropy, forward + backward
+# --- flavours (sim/flavours.py) ---
+TILE_M, TILE_N = 128.0, 256.0  # gemm_waves: output tile of a large bf16 GEMM
+SMS = {"h100": 132, "h200": 132, "a100-80g": 108, "a100-40g": 108}  # gemm_waves: SMs a wave fills
+WAVES_K_HALF = 256.0  # gemm_waves: efficiency halves at this K (the main loop's pipeline fill)
+TP_LINK_EXPOSED = 0.75  # tp_exposed: share of a large ring's bus bandwidth TP's small collectives reach
+WARMUP_INTERLEAVE_KEPT = 0.3  # sync_warmup: share of the bubble interleaving does not remove
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,16 @@ class _Clock:
         self.network = gpu.network_gbps * 1e9
         self.gpn = cfg.gpus_per_node
         self.gemm_frac *= cfg.perturb.gemm  # a perturbed trainer's kernels (sim/perturb.py)
+        self.network *= cfg.flavour.network_scale
+        self.waves = cfg.flavour.gemm_curve == "waves"
+        self.sms = SMS.get(gpu.name, 132)
 
     def gemm(self, m: float, n: float, k: float, factor: float = 1.0) -> float:
+        if self.waves:  # tiles over SMs: a partial tile or a partial last wave idles SMs; K fills the pipeline
+            tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+            used = m * n / (math.ceil(tiles / self.sms) * self.sms * TILE_M * TILE_N)
+            eff = self.gemm_frac * factor * used * k / (k + WAVES_K_HALF)
+            return 2.0 * m * n * k / (self.peak * eff)
         # efficiency saturates with every dimension: eff = peak_frac / (1 + X0/m + X0/n + X0/k)
         eff = self.gemm_frac * factor / (1.0 + self.half_dim / m + self.half_dim / n + self.half_dim / k)
         return 2.0 * m * n * k / (self.peak * eff)
@@ -116,14 +130,18 @@ class LayerTime:
         return self.tp_bwd + self.cp_bwd + self.ep
 
 
-def _all_to_all(clk: _Clock, x: Shape, nbytes: float) -> float:
+def _all_to_all(cfg: SimConfig, clk: _Clock, x: Shape, nbytes: float) -> float:
     """One EP all-to-all sending `nbytes` per rank; across nodes the network share is the bottleneck."""
     span = x.et * x.e  # EP peers are et ranks apart
+    peers = 1.0
+    if cfg.flavour.a2a_layout == "dp_carved":  # EP carved out of DP: peers are TP x CP ranks apart
+        span = max(x.t * x.c, x.et) * x.e
+        peers = float(x.e - 1)  # and every peer is a message with its own latency
     if span <= x.gpn:
-        return nbytes / (clk.nvlink * A2A_EFFICIENCY) + LATENCY_NVLINK_S
-    outside = 1.0 - min(1.0, (x.gpn / x.et) / x.e)  # share of peers on other nodes
+        return nbytes / (clk.nvlink * A2A_EFFICIENCY) + LATENCY_NVLINK_S * peers
+    outside = 1.0 - min(1.0, x.gpn / span)  # share of peers on other nodes
     return max(nbytes * (1 - outside) / (clk.nvlink * A2A_EFFICIENCY),
-               nbytes * outside / (clk.network * A2A_EFFICIENCY)) + LATENCY_NETWORK_S
+               nbytes * outside / (clk.network * A2A_EFFICIENCY)) + LATENCY_NETWORK_S * peers
 
 
 def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
@@ -143,7 +161,7 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
         elem += x.k * MOE_IMBALANCE * (8.0 * x.h + 2.0 * x.gated * x.Fm / x.et) * x.et / x.t  # permute + act
         if x.e > 1:
             nbytes = (tok / seq_split) * x.k * x.h * 2.0 * (x.e - 1) / x.e
-            ep = 2 * _all_to_all(clk, x, nbytes) * EP_EXPOSED * cfg.perturb.ep_comm  # dispatch + combine
+            ep = 2 * _all_to_all(cfg, clk, x, nbytes) * EP_EXPOSED * cfg.perturb.ep_comm  # dispatch + combine
     else:
         gemm += clk.gemm(tok, (x.gated - 1) * x.F / x.t, x.h) + clk.gemm(tok, x.h, x.F / x.t)
         elem += 2.0 * x.gated * x.F / x.t
@@ -169,6 +187,9 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
             comm = 4 * one
         exp_f, exp_b = TP_EXPOSED_OVERLAP if cfg.tp_comm_overlap else TP_EXPOSED
         comm *= cfg.perturb.tp_comm
+        if not cfg.flavour.tp_overlap:  # on the compute stream, nothing hidden, at a small message's bandwidth
+            exp_f, exp_b = 1.0, 1.0
+            comm /= TP_LINK_EXPOSED
         tp_f = comm - min((1 - exp_f) * comm, 0.8 * gemm)
         tp_b = comm - min((1 - exp_b) * comm, 1.6 * gemm)
 
@@ -251,6 +272,10 @@ def iteration_time(cfg: SimConfig) -> IterationTime:
     slowest = max(per_mb)
     mean = sum(per_mb) / len(per_mb)
     bubble = (x.p - 1) / x.v * mean * cfg.perturb.pp_comm  # a perturbed trainer's pipeline schedule
+    if cfg.flavour.pipeline == "sync_warmup" and x.p > 1:
+        # warm-up and cool-down wait for the slowest stage and send synchronously; interleaving keeps part
+        kept = 1.0 / x.v + WARMUP_INTERLEAVE_KEPT * (1.0 - 1.0 / x.v)
+        bubble = (x.p - 1) * kept * (slowest + p2p / P2P_EXPOSED) * cfg.perturb.pp_comm
     pipeline = x.m * slowest + bubble
 
     # data parallel: grads reduce-scattered (all-reduced) and params all-gathered over DP x CP

@@ -10,12 +10,13 @@ import hashlib
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Literal
 
 from zenithtune.sim import physics, timing
 from zenithtune.sim.arguments import ArgumentError, ConfigError, SimConfig, parse_megatron
+from zenithtune.sim.noise import QUIET, RUN_ENV
 from zenithtune.validate import env_errors, megatron_errors
 
 Kind = Literal["ok", "oom", "invalid"]
@@ -44,6 +45,7 @@ class SimResult:
     events: list[Event] = field(default_factory=list)
     wall_seconds: float = 0.0  # simulated wall time of the whole run, startup included
     tflops: float | None = None  # steady-state model TFLOP/s per GPU (no recompute, as Megatron prints)
+    true_tflops: float | None = None  # the same without --sim-noise-sigma's measurement noise
     iter_seconds: float | None = None  # steady-state seconds per iteration (noise included)
     iteration_seconds: list[float] = field(default_factory=list)  # every iteration, warm-up included
     peak_memory_gb: float | None = None  # GiB in use on the fullest GPU at its peak (needed, if OOM)
@@ -63,8 +65,9 @@ class SimResult:
 
 def _seed(cfg: SimConfig, salt: int) -> int:
     """Seed from the parsed run (not its spelling): `--k v`, `--k=v`, ignored options and the ms-swift
-    aliases give the same numbers."""
-    digest = hashlib.blake2b(repr(cfg).encode(), digest_size=8).digest()
+    aliases give the same numbers. The measurement noise (sim/noise.py) is left out: a noisy trainer's
+    noise-free value is the quiet trainer's."""
+    digest = hashlib.blake2b(repr(replace(cfg, noise=QUIET)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") ^ salt
 
 
@@ -109,6 +112,10 @@ def banner(cfg: SimConfig) -> list[str]:
     lines += list(cfg.notes)
     if cfg.perturb.active:
         lines.append(f"[zenithtune.sim] perturbed trainer: {cfg.perturb.describe()}")
+    if cfg.flavour.active:
+        lines.append(f"[zenithtune.sim] flavoured trainer: {cfg.flavour.describe()}")
+    if cfg.noise.active:
+        lines.append(f"[zenithtune.sim] measurement noise: {cfg.noise.describe()}")
     for stage in sorted({0, x.p - 1}):
         prm = physics.stage_params(cfg, stage)
         lines.append(f" > number of parameters on (tensor, pipeline) model parallel rank (0, {stage}): "
@@ -157,6 +164,15 @@ class Outcome:
     iteration: timing.IterationTime
     iterations: list[float]  # seconds of each iteration, warm-up and noise included
     startup: float
+    clean_iterations: list[float] = field(default_factory=list)  # the same without --sim-noise-sigma's noise
+    n_gpus: int = 1  # the world size
+
+    @property
+    def true_tflops(self) -> float:
+        """Steady-state TFLOP/s/GPU without measurement noise: what the configuration is really worth."""
+        its = self.clean_iterations or self.iterations
+        steady = its[len(WARMUP):] or its[-1:]
+        return self.flops / (sum(steady) / len(steady) * 1e12 * self.n_gpus)
 
 
 def run_config(cfg: SimConfig, env: dict[str, str] | None) -> tuple[list[str], Outcome | SimResult]:
@@ -188,15 +204,18 @@ def run_config(cfg: SimConfig, env: dict[str, str] | None) -> tuple[list[str], O
     run_factor = 1.0 + (rng.gauss(0.0, cfg.noise_pct / 100.0) if cfg.noise_pct else 0.0)
     run_factor = max(run_factor, 0.5)
     jitter = random.Random(_seed(cfg, 0x5EED))
-    times = []
+    clean = []
     for i in range(cfg.train_iters):
         warm = WARMUP[i] if i < len(WARMUP) else 1.0
         wobble = 1.0 + jitter.uniform(-JITTER, JITTER)
         if cfg.noise_pct:
             wobble += rng.gauss(0.0, cfg.noise_pct / 300.0)
         extra = 2.5 if i == 0 else 0.0  # first-iteration setup (NCCL communicators, cuDNN autotuning)
-        times.append(it.total * run_factor * warm * max(wobble, 0.5) + extra)
-    return warnings, Outcome(mem, physics.model_flops(cfg), it, times, startup)
+        clean.append(it.total * run_factor * warm * max(wobble, 0.5) + extra)
+    # measurement noise (sim/noise.py): one draw per run, told apart by the tuner's trial marker
+    drawn = cfg.noise.draw(str(_seed(cfg, 0)), env.get(RUN_ENV, ""), cfg.train_iters)
+    times = [t * drawn.factor * f for t, f in zip(clean, drawn.per_iteration, strict=True)]
+    return warnings, Outcome(mem, physics.model_flops(cfg), it, times, startup, clean, cfg.layout.n_gpus)
 
 
 def megatron_lines(cfg: SimConfig, out: Outcome, at0: float) -> list[Event]:
@@ -247,6 +266,7 @@ def finish(cfg: SimConfig, out: Outcome, warnings: list[str], body: list[Event],
     mem = out.memory
     res = SimResult(exit_code=0, kind="ok", wall_seconds=end, config=cfg, iteration_seconds=list(out.iterations),
                     iter_seconds=iter_s, tflops=out.flops / (iter_s * 1e12 * cfg.layout.n_gpus),
+                    true_tflops=out.true_tflops,
                     peak_memory_gb=mem.in_use_peak / physics.GIB, capacity_gb=mem.capacity / physics.GIB,
                     max_allocated_mb=mem.worst.peak_allocated / MIB)
     res.events = [Event(PARSE_SECONDS, "stderr", w) for w in warnings]
