@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore")  # Hydra/OmegaConf deprecation chatter
 
 import optuna  # noqa: E402
 
-from zenithtune import settings  # noqa: E402
+from zenithtune import record, settings  # noqa: E402
 from zenithtune.job import Job, build_job  # noqa: E402
 from zenithtune.loop import Callbacks, Launched, StudyLoop  # noqa: E402
 from zenithtune.sim import simulate  # noqa: E402
@@ -251,15 +251,15 @@ def run_study(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> S
     # steady-state truth so one jittery log line neither flatters nor hurts a strategy
     curve: list[float | None] = []
     hours: list[float] = []
-    failed, incumbent = 0, None
+    failed, seen = 0, []
     for o in loop.outcomes:
         if not o.launched:
             continue
         hours.append((hours[-1] if hours else 0.0) + (o.duration or 0.0) * sc.n_gpus / 3600.0)
-        if not o.ok:
-            failed += 1
-        elif incumbent is None or job.strategy.better(o.value, incumbent.value):
-            incumbent = o
+        failed += not o.ok
+        seen.append(o)
+        # a candidate measured more than once (repeats) counts at the median of its measurements
+        incumbent = record.best_of(seen, job.evaluator.direction)
         curve.append(None if incumbent is None else truth.get(incumbent.trial_number, incumbent.value))
     return StudyResult(sc.name, strategy, seed, curve, failed, hours, stop, time.time() - started, trace.lines)
 

@@ -190,7 +190,7 @@ def test_staged_runs_stage1_then_stage2_and_respects_stage1_trials():
     loop, _ = study(job, 12)
     stages = [o.stage for o in launched(loop)]
     assert stages[:4] == ["layout"] * 4
-    assert set(stages[4:]) == {"settings"}
+    assert set(stages[4:]) <= {"settings", "confirm"}  # the budget's last launches may confirm the best
     trials = [t for t in loop.study.trials if t.user_attrs.get("launched")]
     assert [t.user_attrs["stage"] for t in trials] == stages  # recorded on the trial
     # stage 1 measures layouts at memory-safe settings; stage 2 tunes the layouts measured, and reaches a
@@ -325,13 +325,18 @@ def test_heuristic_measures_full_recompute_where_it_wins():
         {o.candidate["recompute_granularity"] for o in runs} >= {"full", "none"}
 
 
+# The probe tests keep CP to 4096 tokens per rank (the heuristic's former default): on this 4k-token
+# model, CP layouts would otherwise take the launches that these tests give the probe.
+PROBE = ("gpu_memory_gb=16", "strategy.cp_min_tokens=4096")
+
+
 def test_heuristic_probes_once_past_a_pessimistic_memory_screen():
     # The study believes the GPU has 16 GB; the simulated A100 has 39.4 GiB, so the screen wrongly
     # removes the fastest layouts. From a trainer that prints no memory report (the estimate cannot
     # learn), one budgeted launch past the screen finds them; without it they stay lost.
-    loop0, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16", "strategy.memory_probes=0")), 30,
+    loop0, _ = study(make_job("heuristic", extra=(*PROBE, "strategy.memory_probes=0")), 30,
                      memory_report=False)
-    loop1, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16",)), 30, memory_report=False)
+    loop1, _ = study(make_job("heuristic", extra=PROBE), 30, memory_report=False)
     best0 = max(o.value for o in launched(loop0) if o.ok)
     best1 = max(o.value for o in launched(loop1) if o.ok)
     probes = [o for o in launched(loop1) if o.probe]
@@ -346,17 +351,17 @@ def test_heuristic_does_not_probe_what_the_memory_model_all_but_rules_out():
     # that risk the probe is not launched (a 99 %-risk probe teaches little and costs an OOM)
     import re
 
-    loop1, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16",)), 30, memory_report=False)
+    loop1, _ = study(make_job("heuristic", extra=PROBE), 30, memory_report=False)
     probe = next(o for o in launched(loop1) if o.probe)
     risk = int(re.search(r"(\d+) % risk of running out of memory", probe.why).group(1))
     assert 0 < risk <= 95  # the default probe_risk, 0.95
-    capped, _ = study(make_job("heuristic", extra=("gpu_memory_gb=16", f"strategy.probe_risk={(risk - 1) / 100}")),
+    capped, _ = study(make_job("heuristic", extra=(*PROBE, f"strategy.probe_risk={(risk - 1) / 100}")),
                       30, memory_report=False)
     assert not any(o.probe for o in launched(capped))
 
 
 def test_heuristic_does_not_probe_again_after_a_probe_runs_out_of_memory():
-    job = make_job("heuristic", extra=("gpu_memory_gb=16",))
+    job = make_job("heuristic", extra=PROBE)
     loop, _ = study(job, 30, oom_if=lambda cand: (job.predict_gb(cand) or 0) > 16 * 1.02, memory_report=False)
     failed = [o for o in launched(loop) if not o.ok]
     assert len(failed) == 1 and failed[0].probe and failed[0].kind == "oom"
@@ -464,3 +469,45 @@ def test_staged_layout_steps_reach_two_values_away_once_no_near_layout_is_left()
     step = st._layout_step(best)
     assert step is not None and "layout next to the best" in step.why
     assert st._adjacent({k: step.fixed[k] for k in here}, here) == 2
+
+
+# --- noise: repeats -------------------------------------------------------------------------------------
+NOISY = ("--sim-noise-sigma=0.03", "--sim-outlier-rate=0.1", "--sim-noise-seed=1")
+
+
+def test_a_repeat_is_launched_recorded_and_the_best_is_the_median_of_its_measurements():
+    from zenithtune.strategies import Proposal, Strategy
+
+    class Twice(Strategy):
+        """Measures two candidates, the first three times."""
+
+        def ask(self):
+            runs = [o for o in self.history if o.launched]
+            cands = sorted(self.space.walk(), key=lambda c: (c["mbs"], c["tp"]))
+            if len(runs) >= 4:
+                return None
+            if len(runs) == 1:
+                return Proposal(dict(cands[-1]), why="the other one")
+            return Proposal(dict(cands[0]), why="again" if runs else "first", repeat=bool(runs))
+
+    job = make_job("grid", sim=NOISY)
+    job.strategy = Twice()
+    loop, _ = study(job, 10)
+    runs = launched(loop)
+    assert len(runs) == 4 and [o.repeat_of for o in runs] == [None, None, runs[0].trial_number, runs[0].trial_number]
+    first = [o.value for o in runs if o.candidate == runs[0].candidate]
+    assert len(set(first)) == 3  # each launch is its own measurement
+    from zenithtune import study as zstudy
+
+    best = zstudy.best(loop.outcomes, "maximize")
+    if best.candidate == runs[0].candidate:
+        assert best.value == sorted(first)[1]  # the median, not the luckiest run
+
+
+def test_heuristic_measures_again_what_noise_could_have_decided_and_says_why_it_stopped():
+    job = make_job("heuristic", sim=NOISY)
+    loop, why = study(job, 50)
+    again = [o for o in launched(loop) if o.repeat_of is not None]
+    assert again and all(o.why.startswith("measure again (noise): ") for o in again)
+    assert len(again) <= job.strategy.repeats
+    assert why.startswith("strategy exhausted: ") and len(why) > len("strategy exhausted: ")

@@ -2,7 +2,7 @@
 
 The memory estimate (memory.py) can be wrong by any factor on a trainer it was not written from (other
 kernels, allocator, FP8 buffers). What does not depend on it is structure: the same run with a smaller
-micro-batch, more recompute, or split wider by TP, PP or CP holds no more of anything on any GPU. Two
+micro-batch, or split wider by TP, PP or CP, holds no more of anything on any GPU. Two
 uses, both independent of the estimate:
 
 * a proof of fit: a candidate needing no more than a run that completed fits (the study loop launches
@@ -14,7 +14,7 @@ Each claim, against MEGATRON.md's memory formulas (per GPU, the busiest pipeline
   tp, pp or etp grows; the distributed optimizer's shard, 12·params / (dp·cp) with dp = N / (tp·pp·cp),
   is 12·params / N whatever the split (without it: 12 bytes per held parameter, which only shrinks).
 * activations per micro-batch and layer: ∝ mbs / cp, and / tp with sequence parallelism (without it
-  TP leaves a part unsplit, so a wider TP still holds no more); None ⊇ selective recompute.
+  TP leaves a part unsplit, so a wider TP still holds no more); recompute must be the same (below).
 * pipeline: the first stage keeps min(pp, m) micro-batches of pp's share of the layers in flight, where
   m = gbs / (mbs·dp) grows as dp shrinks: checked as a number, not assumed. A VLM's vision tower sits
   whole on the first stage (neither TP nor CP splits it), so its in-flight copies are checked apart.
@@ -25,21 +25,22 @@ Each claim, against MEGATRON.md's memory formulas (per GPU, the busiest pipeline
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
 from zenithtune.validate import Layout
 
-_GRANULARITY_RANK = {None: 0, "selective": 1}
+if TYPE_CHECKING:
+    from zenithtune.record import Outcome
+    from zenithtune.space import Space
 
-
-def _recomputes_at_least(a: Layout, b: Layout) -> bool:
-    """a recomputes at least what b does, in a way whose memory is comparable."""
-    ga, gb = a.recompute_granularity, b.recompute_granularity
-    if ga == "full" or gb == "full":
-        if ga != gb or a.recompute_method != b.recompute_method:
-            return False
-        if a.recompute_method == "block":  # the first n layers of each stage keep only their input
-            return (a.recompute_num_layers or 0) >= (b.recompute_num_layers or 0) and a.pp == b.pp
-        return a.recompute_num_layers == b.recompute_num_layers and a.pp == b.pp  # uniform: chunks move memory
-    return _GRANULARITY_RANK.get(ga, -1) >= _GRANULARITY_RANK.get(gb, 99)
+def _recomputes_alike(a: Layout, b: Layout) -> bool:
+    """The same recompute settings. More recompute stores fewer activations, but it frees and re-allocates
+    every recomputed layer's working set, and a caching allocator may then reserve more than it saves
+    (a trainer whose selective recompute ran out of memory where no recompute fit, at the same layout
+    and MBS, is in benchmarks/robustness.py's `memory` flavour): recompute is never compared."""
+    return (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == \
+        (b.recompute_granularity, b.recompute_method, b.recompute_num_layers)
 
 
 def _in_flight(lay: Layout) -> float:
@@ -64,7 +65,7 @@ def needs_no_more(a: Layout, b: Layout, *, num_layers: int | None = None, vlm: b
     if a.virtual_stages(num_layers) != 1 or b.virtual_stages(num_layers) != 1:
         if (a.pp, a.vpp_size, a.layers_per_virtual_stage) != (b.pp, b.vpp_size, b.layers_per_virtual_stage):
             return False
-    if not _recomputes_at_least(a, b):
+    if not _recomputes_alike(a, b):
         return False
     # the first stage's activations: in-flight share of the layers x tokens per GPU (TP's split only helps)
     if _in_flight(a) * a.mbs / a.cp > _in_flight(b) * b.mbs / b.cp * (1 + 1e-9):
@@ -79,3 +80,17 @@ def needs_no_more(a: Layout, b: Layout, *, num_layers: int | None = None, vlm: b
         if fa * a.mbs > fb * b.mbs:
             return False
     return True
+
+
+def dominated_by(space: Space, cand: Mapping[str, Any], runs: Iterable[Outcome], *,
+                 below: bool = True) -> Outcome | None:
+    """The first of `runs` that `cand` needs no more memory than (`below`), or at least as much as
+    (`below=False`), by structure; None if none."""
+    model = space.ctx.model
+    lay, vit = space.layout(cand), space.vit_checkpointing(cand)
+    for o in runs:
+        other, vit_o = space.layout(o.candidate), space.vit_checkpointing(o.candidate)
+        a, b, va, vb = (lay, other, vit, vit_o) if below else (other, lay, vit_o, vit)
+        if needs_no_more(a, b, num_layers=model.num_layers, vlm=model.is_vlm, vit_a=va, vit_b=vb):
+            return o
+    return None

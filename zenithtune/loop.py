@@ -13,6 +13,7 @@ simulator in-process. Both run this same loop.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from optuna.trial import TrialState
 
 from zenithtune import record, signals, traits
 from zenithtune import study as zstudy
-from zenithtune.dominance import needs_no_more
+from zenithtune.dominance import dominated_by
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
@@ -32,6 +33,10 @@ from zenithtune.strategies import Proposal
 __all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "StudyLoop"]
 
 LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, candidate, timeout) -> result
+# The last launches of a budget confirm the best, for a strategy that does not do it itself: a best whose
+# runner-up is within NOISE x 2 (run-to-run noise assumed, relative) and that ran once is measured again.
+CONFIRM_AT_END = 2
+NOISE = 0.03
 
 
 @dataclass
@@ -112,7 +117,7 @@ class StudyLoop:
         if trait is not None:
             self.refused.append(trait)
         if o.launched:
-            self.measured[self.job.space.key(o.candidate)] = o
+            self.measured.setdefault(self.job.space.key(o.candidate), o)  # a repeat names the first
             if o.ok and o.duration:
                 self.durations.append(float(o.duration))
             if o.ok:
@@ -164,7 +169,7 @@ class StudyLoop:
             exhausted = False
             width = 1 if strategy.sequential else self.parallel
             while len(wave) < min(width, n_trials - used):
-                proposal = strategy.ask()
+                proposal = self._confirmation(n_trials - used - len(wave), wave) or strategy.ask()
                 if proposal is None:
                     exhausted = True
                     break
@@ -202,6 +207,30 @@ class StudyLoop:
             strategy.pending.clear()
             launched += len(wave)
             self._launch_wave(wave)  # an exhausted strategy may have more to say once it knows the results
+
+    def _confirmation(self, left: int, wave: list[Pending]) -> Proposal | None:
+        """With CONFIRM_AT_END launches left, for a strategy that does not confirm its best itself
+        (`Strategy.confirms_best`): the best or the runner-up measured again when they are within the
+        noise and it ran once, so one lucky run does not decide the study."""
+        if left > CONFIRM_AT_END or self.job.strategy.confirms_best:
+            return None
+        runs: dict[tuple, list[Outcome]] = {}
+        for o in self.outcomes:
+            if o.launched and o.ok:
+                runs.setdefault(self.job.space.key(o.candidate), []).append(o)
+        in_wave = [self.job.space.key(p.cand) for p in wave]
+        sign = 1.0 if self.job.evaluator.direction == "maximize" else -1.0
+        med = {k: sign * statistics.median(float(o.value or 0.0) for o in g) for k, g in runs.items()}
+        ranked = sorted(med, key=lambda k: -med[k])[:2]
+        if len(ranked) < 2 or abs(med[ranked[0]] - med[ranked[1]]) > 2 * NOISE * abs(med[ranked[0]]):
+            return None
+        for k in ranked:
+            if len(runs[k]) + in_wave.count(k) < 2:
+                first = runs[k][0]
+                return Proposal(dict(first.candidate), repeat=True, stage="confirm",
+                                why=f"confirm (noise): the best two are within {200 * NOISE:.0f} %; trial "
+                                    f"{first.trial_number} measured again")
+        return None
 
     def abandon(self) -> None:
         """Close what this worker asked but did not tell (Ctrl-C, an error): launched ones are
@@ -295,24 +324,19 @@ class StudyLoop:
         return self._prune(trial, cand, proposal, broken, predicted)
 
     # --- the OOM budget, for every strategy ---------------------------------------------------------
-    def _no_more_than(self, cand: dict, other: dict) -> bool:
-        """Does `cand` surely need no more memory than `other` (dominance.py: structure, not the estimate)?"""
-        space = self.job.space
-        return needs_no_more(space.layout(cand), space.layout(other), num_layers=space.ctx.model.num_layers,
-                             vlm=space.ctx.model.is_vlm, vit_a=space.vit_checkpointing(cand),
-                             vit_b=space.vit_checkpointing(other))
-
     def proof_of_fit(self, cand: dict) -> str | None:
-        """Why `cand` surely fits, or None: it needs no more memory than a run that fit (structurally, or
-        in every component of the estimate), or the learned memory model puts it more than 3 sd under the
-        GPU's capacity."""
-        for o in self.fit_runs:
-            if self._no_more_than(cand, o.candidate):
-                return f"needs no more memory than trial {o.trial_number}, which fit"
+        """Why `cand` surely fits, or None: it needs no more memory than a run that fit, by structure
+        (dominance.py). Before any run fit, the learned memory model's 3 sd under the GPU's capacity
+        stands in (nothing else can start a study); after, not: the estimate's formulas may not be the
+        trainer's (activations growing faster than the micro-batch, experts that TP does not split),
+        and a memory model fitted to them can be confidently wrong."""
+        ran = dominated_by(self.job.space, cand, self.fit_runs)
+        if ran is not None:
+            return f"needs no more memory than trial {ran.trial_number}, which fit"
+        if self.fit_runs:
+            return None
         job = self.job
         args = job.space.memory_args(cand)
-        if job.memory.proven_fit(**args):
-            return "needs no more of any memory component than a run that fit"
         gb, sd = job.memory.predict(**args), job.memory.predict_sd(**args)
         if gb is not None and sd is not None and gb + 3 * sd <= job.memory.capacity_gb:
             return f"learned {gb:.0f} +- {sd:.1f} GB, 3 sd under {job.memory.capacity_gb:g} GB"
@@ -322,13 +346,13 @@ class StudyLoop:
         """What an OOM proves, and the study's OOM budget: a candidate needing at least as much memory as
         a run that ran out is not launched; once `max_ooms` launches ran out of memory (counting this
         wave's unproven ones), only what `proof_of_fit` proves fits is."""
-        for o in self.oom_runs:
-            if self._no_more_than(o.candidate, cand):
-                return [("oom_dominated", f"needs at least as much memory as trial {o.trial_number}, which ran "
-                                          f"out of memory (same or narrower split, mbs >= its, recompute <= its)")]
         self._unproven = False
-        if self.proof_of_fit(cand) is not None:
+        if self.proof_of_fit(cand) is not None:  # evidence first: it, or more than it, ran and fit
             return []
+        bad = dominated_by(self.job.space, cand, self.oom_runs, below=False)
+        if bad is not None:
+            return [("oom_dominated", f"needs at least as much memory as trial {bad.trial_number}, which ran "
+                                      f"out of memory (same or narrower split, mbs >= its, recompute <= its)")]
         spent = len(self.oom_runs) + self._unproven_in_wave
         if spent >= self.max_ooms:
             est = "" if predicted is None else f" (predicted {predicted:.0f} GB)"

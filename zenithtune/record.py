@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -189,9 +190,9 @@ def budget_used(outcomes: Iterable[Outcome]) -> int:
 
 
 def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:
-    """The complete outcome whose candidate has the best median score: a candidate measured several
-    times (`Proposal.repeat`) counts once, at the median of its scores (of an even count, the worse of
-    the middle two: a measured value, and a best that must hold on its repeat)."""
+    """The complete outcome of the candidate with the best median score. A candidate measured several
+    times (`Proposal.repeat`) counts once, at the median of its scores: returned as its measurement
+    nearest that median, carrying the median as its value."""
     groups: dict[str, list[Outcome]] = {}
     for o in outcomes:
         if o.ok:
@@ -199,7 +200,10 @@ def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:
     if not groups:
         return None
     sign = 1.0 if direction == "maximize" else -1.0
-    medians = {k: sorted(sign * float(o.value) for o in g)[(len(g) - 1) // 2] * sign  # type: ignore[arg-type]
-               for k, g in groups.items()}
+    medians = {k: statistics.median(float(o.value) for o in g) for k, g in groups.items()}  # type: ignore[arg-type]
     key = max(groups, key=lambda k: sign * medians[k])
-    return next(o for o in groups[key] if float(o.value) == medians[key])  # type: ignore[arg-type]
+    group, median = groups[key], medians[key]
+    if len(group) == 1:
+        return group[0]
+    nearest = min(group, key=lambda o: abs(float(o.value) - median))  # type: ignore[arg-type]
+    return replace(nearest, value=median)

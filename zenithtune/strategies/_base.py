@@ -67,6 +67,9 @@ class Strategy(ABC):
     exhaustive: bool = False
     # Why ask() returned None, in a few words for the study's footer ("nothing left could beat ...").
     stop_reason: str = ""
+    # True: the strategy measures its best again itself when noise could have decided it (repeats);
+    # False: the study loop spends the budget's last launches on that (loop.CONFIRM_AT_END).
+    confirms_best: bool = False
 
     def sampler(self) -> optuna.samplers.BaseSampler:
         import optuna

@@ -28,4 +28,5 @@ class GridStrategy(Strategy):
             cand = self._queue.pop(0)
             if not self.tried(cand):
                 return Proposal(cand, why="grid")
+        self.stop_reason = "every valid candidate was proposed"
         return None

@@ -24,21 +24,33 @@ How it chooses (each launch says which of these made it):
    the probability the study's learned memory model gives it of not fitting. Never launched: what the
    memory model screens (or `fit` excludes); the same layout and recompute at an MBS at least as large
    as one that ran out of memory; after an OOM, anything carrying more than `oom_risk` of running out,
-   and after `max_ooms` OOMs, more than RISK_DONE (so a study spends at most about `max_ooms`); a
+   and after `max_ooms` OOMs, anything a run that fit does not prove fits (dominance.py; the study
+   loop enforces the same cap for every strategy); a
    larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
    crashed. When nothing the screen allows could beat the best, one budgeted memory probe
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
    among those the learned memory model gives at most `probe_risk` of running out.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster.
-6. Exhausted when nothing left could beat the best: ask() returns None.
+6. Noise: a candidate measured more than once counts at the median of its measurements. Within
+   `repeats` launches, a result that would steer the search on one measurement is measured again
+   first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
+   predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
+   measurements that disagree (a third decides); and before stopping, a best whose runner-up is
+   within twice the noise. The noise is `noise` until repeats of three candidates measure it.
+7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
+   (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
+   so the search explores layouts it has not measured. Exhausted when no unmeasured candidate could
+   still beat the best: ask() returns None and `stop_reason` says why (the study's footer shows it).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
+from zenithtune.dominance import dominated_by
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
@@ -60,6 +72,7 @@ def _rec(c: dict) -> tuple:
 
 
 class HeuristicStrategy(Strategy):
+    confirms_best = True  # its repeats (`repeats`) confirm a best the noise could have decided
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
@@ -176,12 +189,14 @@ class HeuristicStrategy(Strategy):
         ooms = sum(1 for o in self.history if o.launched and o.kind == "oom")
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
-            if ooms >= self.max_ooms and not self.memory.proven_fit(lay, ctx.model, **kw):
-                # budget spent: nothing the learned model puts above the largest run that fit
-                ran = [g for o in self.history if o.ok and (g := self.predict_gb(o.candidate)) is not None]
-                if ran and gb > max(ran) + 1e-9:
-                    return False, (f"{gb:.0f}/{cap:g} GB, above the largest run that fit ({max(ran):.0f} GB) "
-                                   f"after {ooms} OOM")
+            fit = [o for o in self.history if o.ok]
+            if ooms >= self.max_ooms and fit:
+                # budget spent: only what a run that fit proves fits, by structure (as the study loop)
+                ran = dominated_by(self.space, c, fit)
+                if ran is None:
+                    return False, (f"{gb:.0f}/{cap:g} GB, not proven to fit by a run that fit after {ooms} OOM "
+                                   f"(max_ooms={self.max_ooms})")
+                return True, f"{gb:.0f}/{cap:g} GB, needs no more memory than trial {ran.trial_number}"
             risk = self.risk_of_oom(c)
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
@@ -219,6 +234,10 @@ class HeuristicStrategy(Strategy):
                     c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
                     c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing"):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
+        ooms = [o for o in self.history if o.launched and o.kind == "oom"]
+        bad = dominated_by(self.space, c, ooms, below=False) if ooms else None
+        if bad is not None:  # as the study loop rules out (dominance.py), so as not to propose it
+            return f"needs at least as much memory as trial {bad.trial_number}, which ran out of memory"
         # dominance along the ladders of one layout: a larger MBS (same recompute) or more block
         # layers (same MBS) that already lost against a smaller one is not pushed further
         same = [o for o in reps.values() if _lay(o.candidate) == lay and _rec(o.candidate) == rec]
@@ -326,13 +345,14 @@ class HeuristicStrategy(Strategy):
 
     # --- noise: repeats -----------------------------------------------------------------------------
     def _reps(self) -> dict[tuple, Outcome]:
-        """One outcome per measured candidate: at the median of its usable measurements (of an even
-        count, the slower of the middle two), in the order the candidates were first measured."""
+        """One outcome per measured candidate, in the order the candidates were first measured; one
+        measured more than once carries the median of its usable measurements as its value."""
         groups: dict[tuple, list[Outcome]] = {}
         for o in self.history:
             if self._usable(o):
                 groups.setdefault(self.space.key(o.candidate), []).append(o)
-        return {k: sorted(g, key=self._speed)[(len(g) - 1) // 2] for k, g in groups.items()}
+        return {k: g[0] if len(g) == 1 else replace(g[-1], value=float(np.median([float(o.value) for o in g])))  # type: ignore[arg-type]
+                for k, g in groups.items()}
 
     def _counts(self) -> dict[tuple, int]:
         counts: dict[tuple, int] = {}
@@ -345,14 +365,15 @@ class HeuristicStrategy(Strategy):
         return counts
 
     def _noise_sd(self) -> float:
-        """Run-to-run noise as a relative sd: measured where candidates were repeated (the median of
-        their spreads, so one outlier does not make every result noise), else the assumed `noise`."""
+        """Run-to-run noise as a relative sd: measured where at least three candidates were repeated
+        (the median of their spreads, so a pair holding one outlier does not make every result noise),
+        else the assumed `noise`."""
         groups: dict[tuple, list[float]] = {}
         for o in self.history:
             if self._usable(o):
                 groups.setdefault(self.space.key(o.candidate), []).append(math.log(self._speed(o)))
         spreads = [float(np.std(v, ddof=1)) for v in groups.values() if len(v) >= 2]
-        if len(spreads) < 2:
+        if len(spreads) < 3:
             return self.noise
         return max(self.noise / 2, float(np.median(spreads)))
 
@@ -370,6 +391,11 @@ class HeuristicStrategy(Strategy):
             return None
         counts = self._counts()
         for k, o in reversed(list(reps.items())):
+            values = [self._speed(h) for h in self.history if self._usable(h) and self.space.key(h.candidate) == k]
+            if len(values) == 2 and counts.get(k, 0) == 2 and abs(math.log(values[0] / values[1])) > 3 * noise and \
+                    max(values) >= target * (1 - 3 * noise):
+                return self._again(o, f"its two measurements {self._shown(values[0])} and {self._shown(values[1])} "
+                                      f"disagree beyond the noise ({100 * noise:.1f} %): a third decides")
             if counts.get(k, 0) > 1:
                 continue
             speed, pr = self._speed(o), self._predicted.get(k)
