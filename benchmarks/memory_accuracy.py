@@ -144,10 +144,11 @@ def run(margin: float, overhead: float) -> tuple[list[Row], int]:
                         continue
                     model = from_argv(["python", "pretrain_gpt.py", *argv])  # the tuner's view of the command
                     est = estimate(lay, model, distributed_optimizer=dist_opt, overhead_gb=overhead)
-                    mm = MemoryModel(TUNER_CAPACITY_GB, margin, overhead_gb=overhead)
+                    mm = MemoryModel(model, TUNER_CAPACITY_GB, distributed_optimizer=dist_opt, margin=margin,
+                                     overhead_gb=overhead)
                     rows.append(Row(label, rc, dist_opt, lay, est.total_gb, res.peak_memory_gb,
                                     res.capacity_gb or TUNER_CAPACITY_GB, res.kind == "oom",
-                                    mm.predicted_oom(lay, model, distributed_optimizer=dist_opt),
+                                    mm.predicted_oom(lay),
                                     res.max_allocated_mb / 1024 if res.kind == "ok" and res.max_allocated_mb else None,
                                     model))
     return rows, rejected
@@ -165,14 +166,15 @@ def learned(rows: list[Row], margin: float, overhead: float) -> tuple[list[float
     fp = nfit = miss = noom = 0
     for rs in groups.values():
         seen = next((r for r in rs if r.measured_gb and r.layout.mbs == 1 and r.recompute == "selective"), None)
-        mm = MemoryModel(TUNER_CAPACITY_GB, margin, overhead_gb=overhead, distributed_optimizer=rs[0].dist_opt)
+        mm = MemoryModel(rs[0].model_info, TUNER_CAPACITY_GB, distributed_optimizer=rs[0].dist_opt, margin=margin,
+                         overhead_gb=overhead)
         if seen is not None:
-            mm.observe_success(seen.layout, seen.model_info, seen.measured_gb)
+            mm.observe_success(seen.layout, seen.measured_gb)
         for r in rs:
             if r is seen:
                 continue
-            ratios.append(mm.predict(r.layout, r.model_info) / r.truth_gb)
-            pruned = mm.predicted_oom(r.layout, r.model_info) is not None
+            ratios.append(mm.predict(r.layout) / r.truth_gb)
+            pruned = mm.predicted_oom(r.layout) is not None
             nfit += r.fits_with_headroom
             fp += r.fits_with_headroom and pruned
             noom += r.truth_oom

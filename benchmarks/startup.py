@@ -65,7 +65,7 @@ def one(model: str, n_gpus: int) -> dict:
     t1, c1 = time.perf_counter(), time.process_time()
     job = build_job(cfg)
     t2, c2 = time.perf_counter(), time.process_time()
-    job.strategy.setup(job.space, job.memory, [])
+    job.strategy.setup(job, [])
     proposal = job.strategy.ask()
     t3, c3 = time.perf_counter(), time.process_time()
     return {"imports+compose": t1 - t0, "build_job": c2 - c1, "strategy setup+ask": c3 - c2,

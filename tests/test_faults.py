@@ -209,7 +209,7 @@ def test_grid_is_never_stopped_by_proposals_it_cannot_launch():
                        "--num-attention-heads=16", "--group-query-attention", "--num-query-groups=4",
                        "--seq-length=4096", "--vocab-size=32000", "--log-throughput", "--sim-world-size=8"]
     job = build_job(settings.load(cfg))
-    launchable = [c for c in job.space.walk() if not job.screen(c)]
+    launchable = [c for c in job.space.walk() if job.assess(c).launchable]
     assert 0 < len(launchable) < len(list(job.space.walk()))  # some candidates are screened out
     study = optuna.create_study(direction="maximize", sampler=job.strategy.sampler())
     loop = StudyLoop(job, study, lambda n, cand, t: Launched(100.0 + n), max_consecutive_skips=1)

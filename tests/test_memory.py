@@ -31,7 +31,7 @@ def gb(model: ModelInfo = LLAMA8, n: int = 8, gbs: int = 64, **kw) -> float:
 
 def test_unknown_shape_gives_no_estimate():
     assert estimate(Layout(8, 64), ModelInfo(num_query_groups=8)) is None
-    assert MemoryModel(80).predicted_oom(Layout(8, 64), ModelInfo()) is None
+    assert MemoryModel(ModelInfo(), 80).predicted_oom(Layout(8, 64)) is None
 
 
 def test_breakdown_adds_up():
@@ -83,10 +83,10 @@ def test_vit_checkpointing_saves_for_vlms():
 
 
 def test_llama70b_tp1_without_distributed_optimizer_is_predicted_oom():
-    reason = MemoryModel(80).predicted_oom(Layout(8, 64, **SEL), LLAMA70, distributed_optimizer=False)
+    reason = MemoryModel(LLAMA70, 80, distributed_optimizer=False).predicted_oom(Layout(8, 64, **SEL))
     assert reason and reason.startswith("predicted ") and "GB > 80 GB capacity x 1.02 margin" in reason
-    assert "x 1.10 margin" in MemoryModel(80, safety_margin=0.10).predicted_oom(
-        Layout(8, 64, **SEL), LLAMA70, distributed_optimizer=False)
+    assert "x 1.10 margin" in MemoryModel(LLAMA70, 80, distributed_optimizer=False, margin=0.10).predicted_oom(
+        Layout(8, 64, **SEL))
 
 
 def test_llama8b_tp1_selective_with_distributed_optimizer_fits():
@@ -94,36 +94,36 @@ def test_llama8b_tp1_selective_with_distributed_optimizer_fits():
     # ~80 GB before any overhead, and the simulator runs out of memory there too
     lay = Layout(8, 64, mbs=1, **SEL)
     short = replace(LLAMA8, seq_length=2048)
-    assert MemoryModel(80).predicted_oom(lay, short, distributed_optimizer=True) is None
+    assert MemoryModel(short, 80, distributed_optimizer=True).predicted_oom(lay) is None
     assert estimate(lay, short).total_gb < 80
-    assert MemoryModel(80).predicted_oom(lay, short, distributed_optimizer=False)  # 18 bytes/param: no
+    assert MemoryModel(short, 80, distributed_optimizer=False).predicted_oom(lay)  # 18 bytes/param: no
 
 
 # --- learning ---------------------------------------------------------------------------------------
 
 def test_after_an_oom_the_same_and_bigger_configs_are_predicted_oom():
-    mm = MemoryModel(80)
+    mm = MemoryModel(LLAMA8, 80)
     small = Layout(8, 64, tp=4, sequence_parallel=True, **SEL)
     bigger = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
-    assert mm.predicted_oom(small, LLAMA8) is None and mm.predicted_oom(bigger, LLAMA8) is None
-    mm.observe_oom(small, LLAMA8)
-    assert mm.predicted_oom(small, LLAMA8)
-    assert mm.predicted_oom(bigger, LLAMA8)
-    assert mm.predicted_oom(Layout(8, 64, tp=4, mbs=2, sequence_parallel=True, **SEL), LLAMA8)
-    assert mm.predict(small, LLAMA8) > mm.capacity_gb  # the scales moved so it maps above what the GPU has
-    assert mm.predicted_oom(Layout(8, 64, tp=8, sequence_parallel=True, **FULL), LLAMA8) is None
+    assert mm.predicted_oom(small) is None and mm.predicted_oom(bigger) is None
+    mm.observe_oom(small)
+    assert mm.predicted_oom(small)
+    assert mm.predicted_oom(bigger)
+    assert mm.predicted_oom(Layout(8, 64, tp=4, mbs=2, sequence_parallel=True, **SEL))
+    assert mm.predict(small) > mm.capacity_gb  # the scales moved so it maps above what the GPU has
+    assert mm.predicted_oom(Layout(8, 64, tp=8, sequence_parallel=True, **FULL)) is None
 
 
 def test_a_config_no_bigger_than_a_success_is_never_pruned():
-    mm = MemoryModel(40)
+    mm = MemoryModel(LLAMA8, 40)
     big = Layout(8, 64, mbs=2, **SEL)
     small = Layout(8, 64, mbs=1, **SEL)
-    assert mm.predicted_oom(small, LLAMA8)  # on a 40 GB GPU it looks hopeless...
-    mm.observe_success(big, LLAMA8, measured_peak_gb=None)  # ...but something bigger ran
-    assert mm.predicted_oom(big, LLAMA8) is None and mm.predicted_oom(small, LLAMA8) is None
-    mm.observe_oom(Layout(8, 64, mbs=1, **SEL), LLAMA8)  # conflicting evidence: the success still wins
-    assert mm.predicted_oom(small, LLAMA8) is None
-    assert mm.predicted_oom(Layout(8, 64, mbs=4, **SEL), LLAMA8)
+    assert mm.predicted_oom(small)  # on a 40 GB GPU it looks hopeless...
+    mm.observe_success(big, measured_peak_gb=None)  # ...but something bigger ran
+    assert mm.predicted_oom(big) is None and mm.predicted_oom(small) is None
+    mm.observe_oom(Layout(8, 64, mbs=1, **SEL))  # conflicting evidence: the success still wins
+    assert mm.predicted_oom(small) is None
+    assert mm.predicted_oom(Layout(8, 64, mbs=4, **SEL))
 
 
 def _truth(est, weights=1.0, optimizer=1.0, activations=1.0) -> float:
@@ -132,34 +132,34 @@ def _truth(est, weights=1.0, optimizer=1.0, activations=1.0) -> float:
 
 
 def test_a_measured_config_is_predicted_at_what_it_measured():
-    mm = MemoryModel(80)
+    mm = MemoryModel(LLAMA8, 80)
     lay = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
     est = estimate(lay, LLAMA8)
-    before = mm.predict(lay, LLAMA8)
-    mm.observe_success(lay, LLAMA8, measured_peak_gb=0.7 * est.allocated_gb)
-    after = mm.predict(lay, LLAMA8)
+    before = mm.predict(lay)
+    mm.observe_success(lay, measured_peak_gb=0.7 * est.allocated_gb)
+    after = mm.predict(lay)
     fixed = est.overhead_gb - memory.FRAGMENTATION * est.allocated_gb
     assert after < before
     assert after == pytest.approx(fixed + (1 + memory.FRAGMENTATION) * 0.7 * est.allocated_gb, rel=0.03)
-    mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb * 1000)  # MB passed as GB: ignored
-    assert mm.predict(lay, LLAMA8) == pytest.approx(after)
+    mm.observe_success(lay, measured_peak_gb=est.allocated_gb * 1000)  # MB passed as GB: ignored
+    assert mm.predict(lay) == pytest.approx(after)
 
 
 def test_components_are_fitted_apart_when_runs_differ_in_what_dominates():
     # a trainer whose activations take 40 % more than estimated, weights and optimizer as estimated:
     # one run at mbs 1 and one at mbs 4 tell the components apart, and an unseen mbs 2 is predicted
     # (on a 141 GB GPU: on 80 GB, a run allocating 78 GB would also prove less than 4 GB outside PyTorch)
-    mm = MemoryModel(141)
+    mm = MemoryModel(LLAMA8, 141)
     runs = [Layout(8, 64, tp=2, sequence_parallel=True, mbs=b, **SEL) for b in (1, 4)]
     for lay in runs:
-        mm.observe_success(lay, LLAMA8, measured_peak_gb=_truth(estimate(lay, LLAMA8), activations=1.4))
+        mm.observe_success(lay, measured_peak_gb=_truth(estimate(lay, LLAMA8), activations=1.4))
     assert mm.scales["activations"] == pytest.approx(1.4, abs=0.1)
     assert mm.scales["weights"] == pytest.approx(1.0, abs=0.15)
     unseen = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
     est = estimate(unseen, LLAMA8)
     fixed = est.overhead_gb - memory.FRAGMENTATION * est.allocated_gb
     true_total = fixed + (1 + memory.FRAGMENTATION) * _truth(est, activations=1.4)
-    assert mm.predict(unseen, LLAMA8) == pytest.approx(true_total, rel=0.03)
+    assert mm.predict(unseen) == pytest.approx(true_total, rel=0.03)
     # one global scale could not do this: it would split the difference between the two runs
 
 
@@ -171,66 +171,66 @@ def test_a_run_that_fit_bounds_what_lies_outside_pytorch():
     alloc = estimate(ran, LLAMA8).allocated_gb  # this trainer allocates as estimated...
     reserved = 1.05 * alloc  # ...fragments 5 %
     capacity = reserved + 3.0
-    mm, fresh = MemoryModel(capacity), MemoryModel(capacity)
-    mm.observe_success(ran, LLAMA8, measured_peak_gb=alloc, reserved_gb=reserved)
+    mm, fresh = MemoryModel(LLAMA8, capacity), MemoryModel(LLAMA8, capacity)
+    mm.observe_success(ran, measured_peak_gb=alloc, reserved_gb=reserved)
     assert mm.fixed_cap_gb == pytest.approx(3.0)
-    assert mm.predict(ran, LLAMA8) == pytest.approx(capacity, rel=0.01)  # it fit: predicted at the GPU, not past
-    assert fresh.predict(ran, LLAMA8) > capacity + 1.0 + 0.04 * alloc
-    assert "non-PyTorch <= 3.0 GB" in (mm.predicted_oom(replace(ran, mbs=4), LLAMA8) or "")
-    plain = MemoryModel(capacity)
-    plain.observe_success(ran, LLAMA8, measured_peak_gb=alloc)  # no "max reserved" line
+    assert mm.predict(ran) == pytest.approx(capacity, rel=0.01)  # it fit: predicted at the GPU, not past
+    assert fresh.predict(ran) > capacity + 1.0 + 0.04 * alloc
+    assert "non-PyTorch <= 3.0 GB" in (mm.predicted_oom(replace(ran, mbs=4)) or "")
+    plain = MemoryModel(LLAMA8, capacity)
+    plain.observe_success(ran, measured_peak_gb=alloc)  # no "max reserved" line
     assert plain.fixed_cap_gb == pytest.approx(capacity - alloc)  # allocated <= reserved: a looser proof
 
 
 def test_fragmentation_is_learned_per_recompute_kind():
     # full recompute frees and re-allocates each layer's working set: its runs fragment more. A run of
     # each kind; a new config is predicted with its own kind's measured fragmentation, not the median.
-    mm = MemoryModel(141)
+    mm = MemoryModel(LLAMA8, 141)
     none = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, recompute_granularity="none")
     full = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, recompute_granularity="full",
                   recompute_method="uniform", recompute_num_layers=1)
     for lay, frag in ((none, 1.02), (full, 1.20), (replace(full, mbs=2), 1.20)):
         est = estimate(lay, LLAMA8)
-        mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb, reserved_gb=frag * est.allocated_gb)
+        mm.observe_success(lay, measured_peak_gb=est.allocated_gb, reserved_gb=frag * est.allocated_gb)
     assert mm.fragmentation == pytest.approx(0.20)  # the median of all three
     unseen = replace(none, mbs=2)
     est = estimate(unseen, LLAMA8)
     fixed = est.overhead_gb - memory.FRAGMENTATION * est.allocated_gb
-    assert mm.predict(unseen, LLAMA8) == pytest.approx(fixed + 1.02 * est.allocated_gb, rel=0.02)
+    assert mm.predict(unseen) == pytest.approx(fixed + 1.02 * est.allocated_gb, rel=0.02)
 
 
 def test_an_oom_rules_out_other_layouts_whose_learned_estimate_is_as_large():
-    mm = MemoryModel(80)
+    mm = MemoryModel(LLAMA8, 80)
     oom = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
-    mm.observe_oom(oom, LLAMA8)
-    bound = mm.predict(oom, LLAMA8)
+    mm.observe_oom(oom)
+    bound = mm.predict(oom)
     assert bound > mm.capacity_gb
     others = [Layout(8, 64, tp=t, pp=p, sequence_parallel=t > 1, mbs=b, **SEL)
               for t in (1, 2, 4) for p in (1, 2) for b in (1, 2, 4)]
     for lay in others:
-        if mm.predict(lay, LLAMA8) >= bound:
-            assert mm.predicted_oom(lay, LLAMA8), lay
-    assert any(lay.tp != 2 and mm.predicted_oom(lay, LLAMA8) for lay in others)  # not only its own layout
-    assert mm.predicted_oom(Layout(8, 64, tp=4, sequence_parallel=True, mbs=1, **SEL), LLAMA8) is None
+        if mm.predict(lay) >= bound:
+            assert mm.predicted_oom(lay), lay
+    assert any(lay.tp != 2 and mm.predicted_oom(lay) for lay in others)  # not only its own layout
+    assert mm.predicted_oom(Layout(8, 64, tp=4, sequence_parallel=True, mbs=1, **SEL)) is None
 
 
 def test_the_oom_message_raises_the_bound_and_reserved_memory_the_fragmentation():
     lay = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
-    plain, told = MemoryModel(80), MemoryModel(80)
-    plain.observe_oom(lay, LLAMA8)
-    told.observe_oom(lay, LLAMA8, needed_gb=95.0)  # "79 GiB in use" + "tried to allocate 16 GiB"
-    assert told.predict(lay, LLAMA8) >= 95.0 > plain.predict(lay, LLAMA8)
-    mm = MemoryModel(80)
+    plain, told = MemoryModel(LLAMA8, 80), MemoryModel(LLAMA8, 80)
+    plain.observe_oom(lay)
+    told.observe_oom(lay, needed_gb=95.0)  # "79 GiB in use" + "tried to allocate 16 GiB"
+    assert told.predict(lay) >= 95.0 > plain.predict(lay)
+    mm = MemoryModel(LLAMA8, 80)
     est = estimate(lay, LLAMA8)
-    mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb, reserved_gb=1.3 * est.allocated_gb)
+    mm.observe_success(lay, measured_peak_gb=est.allocated_gb, reserved_gb=1.3 * est.allocated_gb)
     assert mm.fragmentation == pytest.approx(0.3)
 
 
 def test_memory_model_rejects_bad_settings():
     with pytest.raises(ValueError, match="capacity_gb"):
-        MemoryModel(0)
-    with pytest.raises(ValueError, match="safety_margin"):
-        MemoryModel(80, safety_margin=-0.1)
+        MemoryModel(LLAMA8, 0)
+    with pytest.raises(ValueError, match="margin=-0.1"):
+        MemoryModel(LLAMA8, 80, margin=-0.1)
 
 
 # --- capacity ---------------------------------------------------------------------------------------
@@ -276,25 +276,25 @@ def test_two_ooms_that_differ_in_activations_do_not_erase_the_activations():
     # An OOM says "at least"; two of them at one layout (none, then full recompute of some layers) must
     # not be held as equalities, which would force the activations that tell them apart to zero and let
     # the next, activation-heavy layout through as tiny.
-    mm = MemoryModel(80)
+    mm = MemoryModel(LLAMA8, 80)
     base = Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)
-    mm.observe_oom(base, LLAMA8)
+    mm.observe_oom(base)
     mm.observe_oom(Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, recompute_granularity="full",
-                          recompute_method="block", recompute_num_layers=4), LLAMA8)
+                          recompute_method="block", recompute_num_layers=4))
     assert mm.scales["activations"] >= 0.9
-    assert mm.predicted_oom(Layout(8, 64, tp=2, sequence_parallel=True, mbs=4, **SEL), LLAMA8)
+    assert mm.predicted_oom(Layout(8, 64, tp=2, sequence_parallel=True, mbs=4, **SEL))
 
 
 def test_a_model_shown_wrong_widens_its_uncertainty():
-    mm = MemoryModel(80)
+    mm = MemoryModel(LLAMA8, 80)
     lay = Layout(8, 64, tp=2, sequence_parallel=True, **SEL)
-    before = mm.predict_sd(lay, LLAMA8)
+    before = mm.predict_sd(lay)
     est = estimate(lay, LLAMA8)
-    mm.observe_success(lay, LLAMA8, measured_peak_gb=est.allocated_gb)  # as estimated: the fit is pinned
-    pinned = mm.predict_sd(lay, LLAMA8)
+    mm.observe_success(lay, measured_peak_gb=est.allocated_gb)  # as estimated: the fit is pinned
+    pinned = mm.predict_sd(lay)
     assert pinned < before
     assert mm.model_error == pytest.approx(memory.MODEL_ERROR)
     wrong = Layout(8, 64, tp=1, mbs=2, **SEL)
-    mm.observe_oom(wrong, LLAMA8, needed_gb=1.5 * mm.predict(wrong, LLAMA8))  # 50 % more than predicted
+    mm.observe_oom(wrong, needed_gb=1.5 * mm.predict(wrong))  # 50 % more than predicted
     assert mm.model_error >= 0.4
-    assert mm.predict_sd(lay, LLAMA8) > 5 * pinned
+    assert mm.predict_sd(lay) > 5 * pinned

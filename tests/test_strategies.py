@@ -154,7 +154,7 @@ def test_heuristic_skips_what_an_oom_rules_out():
     job = make_job("heuristic")
     gb = lambda c: estimate(job.space.layout(c), job.ctx.model,  # noqa: E731
                             vit_checkpointing=job.space.vit_checkpointing(c)).total_gb
-    fits = sorted(gb(c) for c in job.space.walk() if not job.predicted_oom(c))
+    fits = sorted(gb(c) for c in job.space.walk() if not job.assess(c).predicted_oom)
     limit = 0.8 * fits[-1]
     loop, _ = study(job, 30, oom_if=lambda c: gb(c) >= limit)
     runs = launched(loop)
@@ -264,7 +264,7 @@ def test_staged_stops_probing_after_an_oom():
     # the same study on a trainer where everything the screen hides does run out of memory: one probe
     # (an OOM), then never another, whatever the budget left
     job = make_job("staged_blackbox", extra=("gpu_memory_gb=12", "strategy.probe_reach=0.2"))
-    loop, _ = study(job, 30, oom_if=lambda c: (job.predict_gb(c) or 0.0) > 12 * 1.02, memory_report=False)
+    loop, _ = study(job, 30, oom_if=lambda c: (job.assess(c).predicted_gb or 0.0) > 12 * 1.02, memory_report=False)
     runs = launched(loop)
     probes = [i for i, o in enumerate(runs) if o.probe]
     assert len(probes) == 1 and runs[probes[0]].kind == "oom"
@@ -362,7 +362,7 @@ def test_heuristic_does_not_probe_what_the_memory_model_all_but_rules_out():
 
 def test_heuristic_does_not_probe_again_after_a_probe_runs_out_of_memory():
     job = make_job("heuristic", extra=PROBE)
-    loop, _ = study(job, 30, oom_if=lambda cand: (job.predict_gb(cand) or 0) > 16 * 1.02, memory_report=False)
+    loop, _ = study(job, 30, oom_if=lambda cand: (job.assess(cand).predicted_gb or 0) > 16 * 1.02, memory_report=False)
     failed = [o for o in launched(loop) if not o.ok]
     assert len(failed) == 1 and failed[0].probe and failed[0].kind == "oom"
     assert sum(o.probe for o in launched(loop)) == 1
@@ -374,7 +374,7 @@ def test_heuristic_launches_something_when_nothing_fits_with_a_wide_margin():
     with initialize_config_module("zenithtune.conf"):
         cfg = compose("config", overrides=["n_gpus=7", "gbs=63", "strategy=heuristic"])
     job = build_job(settings.load(cfg))
-    assert any(not job.predicted_oom(c) for c in job.space.walk())
+    assert any(not job.assess(c).predicted_oom for c in job.space.walk())
     loop, why = study(job, 20)
     runs = launched(loop)
     assert runs and any(o.ok for o in runs), why
@@ -403,8 +403,8 @@ def test_heuristic_spends_at_most_max_ooms_on_a_trainer_that_needs_far_more_memo
     # kernel library or FP8 buffers the estimate does not know): after max_ooms OOMs the heuristic only
     # launches what the learned memory model says is all but certain to fit, and still ends with a best.
     job = make_job("heuristic", extra=("gpu_memory_gb=16", f"strategy.max_ooms={max_ooms}"))
-    estimate = MemoryModel(16)  # the estimate as it stands before the study learns anything
-    loop, _ = study(job, 30, oom_if=lambda cand: (estimate.predict(**job.space.memory_args(cand)) or 0) > 0.7 * 16)
+    estimate = MemoryModel(job.ctx.model, 16)  # the estimate as it stands before the study learns anything
+    loop, _ = study(job, 30, oom_if=lambda cand: (estimate.predict(job.space.layout(cand)) or 0) > 0.7 * 16)
     ooms = [o for o in launched(loop) if o.kind == "oom"]
     assert 1 <= len(ooms) <= max_ooms
     assert any(o.ok for o in launched(loop))
@@ -454,7 +454,7 @@ def test_staged_layout_steps_reach_two_values_away_once_no_near_layout_is_left()
     # best, "one value up or down" may leave nothing, and the move that matters is often two at once.
     job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
     st = job.strategy
-    st.setup(job.space, job.memory, [])
+    st.setup(job, [])
     layouts = [dict(lay) for lay in st._by_layout]
     here = next(lay for lay in layouts if lay["tp"] == 1 and lay["ep"] == 1 and lay.get("pp") == 1
                 and lay.get("cp") == 1)
@@ -481,7 +481,7 @@ def test_a_repeat_is_launched_recorded_and_the_best_is_the_median_of_its_measure
     class Twice(Strategy):
         """Measures two candidates, the first three times."""
 
-        def ask(self):
+        def ask(self, pending=()):
             runs = [o for o in self.history if o.launched]
             cands = sorted(self.space.walk(), key=lambda c: (c["mbs"], c["tp"]))
             if len(runs) >= 4:

@@ -113,7 +113,7 @@ def check_params(conf: ZenithtuneConf) -> None:
     if broken:
         raise UserError(f"these parameters cannot run with n_gpus={conf.n_gpus} gbs={conf.gbs}: "
                         + "; ".join(why for _, why in (structural or broken)[:2]))
-    oom = st.predicted_oom(cand)
+    oom = st.assess(cand).predicted_oom
     if oom:
         print(f"zenithtune: warning: {oom}; running it anyway", file=sys.stderr, flush=True)
 

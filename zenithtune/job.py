@@ -1,16 +1,21 @@
 """Everything a study needs that is fixed for its whole life, built once from the typed config.
 
 `build_job(conf)` checks the user's input (one clear line per problem), resolves the model shape, the
-GPU memory, the search space, the strategy, the evaluator and the memory model. The study loop asks
-`Job` for memory predictions and feeds it every outcome so the memory model learns.
+GPU memory, the search space, the strategy, the evaluator and the memory model. The setting is the
+judge of every candidate (`Setting.assess`): the study loop screens with it, the strategy reads it,
+and the loop feeds it every outcome (`Setting.observe`) so its memory model learns.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from zenithtune import modelinfo, preflight
+from zenithtune import modelinfo, preflight, traits
+from zenithtune.assessment import MEMORY_RULE, OOM_DOMINATED_RULE, REFUSED_RULE, Assessment
 from zenithtune.command import facts, trainer_problem
+from zenithtune.dominance import dominated_by
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
 from zenithtune.inject import find_option
@@ -18,7 +23,7 @@ from zenithtune.memory import MemoryModel, gpu_capacity_gb
 from zenithtune.record import Outcome
 from zenithtune.run import FailureKind, command_problem
 from zenithtune.settings import TimeoutPolicy, ZenithtuneConf, build, timeouts, trial_params, wrapped_command
-from zenithtune.space import Candidate, Context, Space, Survey, mbs_values, policy_off
+from zenithtune.space import Context, Space, Survey, mbs_values, policy_off
 from zenithtune.strategies import Strategy
 
 # Memory of the GPUs the built-in simulator can play (`--sim-gpu`), as PyTorch reports it (GiB), so a
@@ -30,52 +35,98 @@ SIM_GPU_MEMORY_GB = {"h100": 79.1, "h200": 139.7, "a100-80g": 79.2, "a100-40g": 
 
 @dataclass
 class Setting:
-    """The job's fixed facts, checked: what both a study and a screened single trial need."""
+    """The job's fixed facts, checked, and the judge of every candidate: what both a study and a
+    screened single trial need.
+
+    `assess(cand)` is the one answer to "what do we know about this candidate?" (`Assessment`): the
+    rules, the memory model's prediction, risk and proofs of fit, the features the trainer refused.
+    Answers are memoised per candidate and forgotten whenever `observe` teaches something, so teach
+    the memory model through `observe` only."""
 
     command: list[str]
     ctx: Context
     space: Space
     memory: MemoryModel
     memory_source: str  # where the GPU's capacity came from, for the report
+    refused: list[traits.Trait] = field(default_factory=list)  # features the trainer refused
+    fit_runs: list[Outcome] = field(default_factory=list)  # launched runs that completed (proofs of fit)
+    oom_runs: list[Outcome] = field(default_factory=list)  # launched runs that ran out of memory
+    _assessed: dict[tuple, Assessment] = field(default_factory=dict, init=False, repr=False)
 
-    def predict_gb(self, cand: Candidate) -> float | None:
-        return self.memory.predict(**self.space.memory_args(cand))
+    @property
+    def capacity_gb(self) -> float:
+        return self.memory.capacity_gb
 
-    def predicted_oom(self, cand: Candidate) -> str | None:
-        return self.memory.predicted_oom(**self.space.memory_args(cand))
+    def assess(self, cand: Mapping[str, Any]) -> Assessment:
+        key = self.space.key(cand)
+        found = self._assessed.get(key)
+        if found is None:
+            found = self._assessed[key] = self._assess(cand)
+        return found
 
-    def screen(self, cand: Candidate) -> list[tuple[str, str]]:
-        """(rule, reason) pairs that keep a candidate from being launched: Megatron's rules, then
-        the memory estimate. Empty: launch it."""
-        broken = self.space.reasons(cand)
-        if broken:
-            return broken
-        oom = self.predicted_oom(cand)
-        return [("predicted_oom", oom)] if oom else []
+    def _assess(self, cand: Mapping[str, Any]) -> Assessment:
+        lay = self.space.layout(cand)
+        mem = self.memory.verdict(lay, self.space.vit_checkpointing(cand))
+        reasons = self.space.reasons(cand)  # the job's choices, Megatron's rules, the policies
+        # evidence before the estimate: a candidate needing no more memory than a run that fit fits,
+        # and one needing at least as much as a run that ran out does not (dominance.py)
+        ran = dominated_by(self.space, cand, self.fit_runs)
+        fit_proof = None if ran is None else f"needs no more memory than trial {ran.trial_number}, which fit"
+        bad = None if ran is not None else dominated_by(self.space, cand, self.oom_runs, below=False)
+        oom_dominated = None if bad is None else (f"needs at least as much memory as trial {bad.trial_number}, "
+                                                  f"which ran out of memory (same or narrower split and "
+                                                  f"recompute, mbs >= its)")
+        if fit_proof is not None:
+            mem = replace(mem, oom_risk=0.0, oom=None)
+        if not reasons and mem.oom:
+            reasons = [(MEMORY_RULE, mem.oom)]
+        if not reasons and oom_dominated:  # whatever the estimate says
+            reasons = [(OOM_DOMINATED_RULE, oom_dominated)]
+        if not reasons and self.refused:
+            options = self.space.options(cand)
+            reasons = [(REFUSED_RULE, t.describe()) for t in self.refused if t.matches(options)][:1]
+        return Assessment(layout=lay, reasons=tuple(reasons), predicted_gb=mem.predicted_gb, sd=mem.sd,
+                          oom_risk=mem.oom_risk, proven_fit=mem.proven_fit, predicted_oom=mem.oom,
+                          fit_proof=fit_proof, oom_dominated=oom_dominated)
+
+    def observe(self, o: Outcome) -> None:
+        """Learn from a launched trial: its memory evidence, and a feature the trainer refused."""
+        if not o.launched:
+            return
+        self._assessed.clear()
+        lay, vit = self.space.layout(o.candidate), self.space.vit_checkpointing(o.candidate)
+        if o.ok:
+            self.fit_runs.append(o)
+        elif o.kind == FailureKind.OOM.value:
+            self.oom_runs.append(o)
+        if o.state == "complete":
+            self.memory.observe_success(lay, o.measured_gb, reserved_gb=o.reserved_gb, vit_checkpointing=vit)
+        elif o.kind == FailureKind.OOM.value:
+            self.memory.observe_oom(lay, needed_gb=o.needed_gb, vit_checkpointing=vit)
+        trait = self.refusal(o)
+        if trait is not None:
+            self.refused.append(trait)
+
+    def refusal(self, o: Outcome) -> traits.Trait | None:
+        """The injected features a failed launch's message says the trainer refused."""
+        if not o.launched or o.state != "failed" or o.kind not in (FailureKind.CRASH.value,
+                                                                 FailureKind.INVALID_ARGS.value):
+            return None
+        return traits.refused(" ".join(o.reasons), self.space.options(o.candidate), o.trial_number)
 
 
 @dataclass
 class Job(Setting):
     """A study's setting plus what searches it: the strategy, the evaluator, the time limits."""
 
-    conf: ZenithtuneConf
-    survey: Survey
-    strategy: Strategy
-    evaluator: Evaluator
-    timeouts: TimeoutPolicy
+    conf: ZenithtuneConf = field(kw_only=True)
+    survey: Survey = field(kw_only=True)
+    strategy: Strategy = field(kw_only=True)
+    evaluator: Evaluator = field(kw_only=True)
+    timeouts: TimeoutPolicy = field(kw_only=True)
     strategy_name: str = ""  # as the user selects it (strategy=heuristic), not the class behind it
     predicted_oom_count: int = 0
     predicted_oom_estimated: bool = False  # the count comes from a sample of the valid candidates
-
-    def observe(self, o: Outcome) -> None:
-        """Learn from a launched trial's memory evidence."""
-        if not o.launched:
-            return
-        args = self.space.memory_args(o.candidate)
-        if o.state == "complete":
-            self.memory.observe_success(measured_peak_gb=o.measured_gb, reserved_gb=o.reserved_gb, **args)
-        elif o.kind == FailureKind.OOM.value:
-            self.memory.observe_oom(needed_gb=o.needed_gb, **args)
 
 
 def gpu_memory(conf: ZenithtuneConf, command: list[str]) -> tuple[float, str]:
@@ -111,16 +162,14 @@ def build_setting(conf: ZenithtuneConf, *, quiet: bool = False) -> Setting:
     capacity, source = gpu_memory(conf, command)
     flags = facts(command)
     ctx = Context(n_gpus=conf.n_gpus, gbs=conf.gbs, model=model, mbs_max=conf.mbs_max,
-                  gpus_per_node=conf.gpus_per_node, gpu_memory_gb=capacity,
-                  distributed_optimizer=flags.distributed_optimizer,
-                  vlm_full_uniform_only=bool(conf.preset.get("vlm_full_uniform_only", True)),
+                  gpus_per_node=conf.gpus_per_node, vlm_full_uniform_only=bool(conf.preset.get("vlm_full_uniform_only", True)),
                   flags=flags, policy_off=policy_off(conf.prune))
     space = Space.from_preset(conf.preset, ctx)
     # Megatron's default attention (flash / fused) never stores the s x s scores; the unfused and
     # local backends do, which changes the activation estimate.
     flash = find_option(command, "--attention-backend") not in ("unfused", "local")
-    memory = MemoryModel(capacity, safety_margin=conf.memory_safety_margin,
-                         distributed_optimizer=ctx.distributed_optimizer, flash_attention=flash)
+    memory = MemoryModel(model, capacity, distributed_optimizer=flags.distributed_optimizer,
+                         flash_attention=flash, margin=conf.memory_safety_margin)
     return Setting(command, ctx, space, memory, source)
 
 
@@ -130,7 +179,7 @@ def screen_params(conf: ZenithtuneConf) -> str | None:
     Used by the entry function when a sweeper that cannot screen before launch drives it
     (the stock `hydra/sweeper=optuna` baseline): the trial then fails fast instead of running."""
     st = build_setting(conf, quiet=True)
-    broken = st.screen(st.space.normalize(trial_params(conf)))
+    broken = st.assess(st.space.normalize(trial_params(conf))).reasons
     return "; ".join(f"{rule}: {why}" for rule, why in broken) or None
 
 
@@ -151,7 +200,7 @@ def build_job(conf: ZenithtuneConf, strategy_name: str | None = None) -> Job:
     # GPUs: tens of thousands) an evenly spaced sample says the same in a fraction of the start-up.
     stride = max(1, len(valid) // OOM_COUNT_SAMPLE)
     sample = valid[::stride]
-    job.predicted_oom_count = round(sum(1 for c in sample if job.predicted_oom(c)) * len(valid) / len(sample))
+    job.predicted_oom_count = round(sum(1 for c in sample if job.assess(c).predicted_oom) * len(valid) / len(sample))
     job.predicted_oom_estimated = stride > 1
     return job
 

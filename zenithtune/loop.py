@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 import optuna
 from optuna.trial import TrialState
 
-from zenithtune import record, signals, traits
+from zenithtune import record, signals
 from zenithtune import study as zstudy
-from zenithtune.dominance import dominated_by
+from zenithtune.assessment import MEMORY_RULE, OOM_DOMINATED_RULE
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
 from zenithtune.run import FailureKind
@@ -86,13 +86,10 @@ class StudyLoop:
         self.measured: dict[tuple, Outcome] = {}
         self.outcomes: list[Outcome] = []
         self.durations: list[float] = []  # successful trials' wall times (dynamic timeouts)
-        self.refused: list[traits.Trait] = []  # features the trainer refused: candidates carrying one are pruned
         self.waves = 0
-        # The OOM budget (`max_ooms`), whatever the strategy: every launch that ran out of memory, and
-        # every run that fit (memory proofs); past the budget only what is proven to fit is launched.
+        # The OOM budget (`max_ooms`), whatever the strategy: past it only what is proven to fit launches
+        # (the judge keeps the runs that fit and those that ran out: `Setting.fit_runs`, `oom_runs`).
         self.max_ooms = job.conf.max_ooms
-        self.oom_runs: list[Outcome] = []
-        self.fit_runs: list[Outcome] = []
         self._unproven_in_wave = 0  # launches of this wave that may run out of memory
         self._unproven = False  # the candidate just screened is one of those
         self._known: set[int] = set()  # trial numbers the strategy has been told about
@@ -104,26 +101,16 @@ class StudyLoop:
         # it and the duplicate check does not count it, so the candidate may be launched again.
         self._known |= {o.trial_number for o in prior if o.trial_number is not None}
         prior = [o for o in prior if o.kind != FailureKind.INTERRUPTED.value]
-        strategy = self.job.strategy
-        strategy.direction = self.job.evaluator.direction
-        strategy.metric = self.job.evaluator.metric_name
-        strategy.setup(self.job.space, self.job.memory, prior)
+        self.job.strategy.setup(self.job, prior, self.job.evaluator.direction, self.job.evaluator.metric_name)
         for o in prior:
             self._learn(o)
 
     def _learn(self, o: Outcome) -> None:
-        self.job.observe(o)
-        trait = self._refusal(o)
-        if trait is not None:
-            self.refused.append(trait)
+        self.job.observe(o)  # the judge learns (memory, refused features) before the strategy is told
         if o.launched:
             self.measured.setdefault(self.job.space.key(o.candidate), o)  # a repeat names the first
             if o.ok and o.duration:
                 self.durations.append(float(o.duration))
-            if o.ok:
-                self.fit_runs.append(o)
-            elif o.kind == FailureKind.OOM.value:
-                self.oom_runs.append(o)
 
     def _sync(self) -> None:
         """Tell the strategy what other workers measured since the last wave (a shared study)."""
@@ -169,7 +156,8 @@ class StudyLoop:
             exhausted = False
             width = 1 if strategy.sequential else self.parallel
             while len(wave) < min(width, n_trials - used):
-                proposal = self._confirmation(n_trials - used - len(wave), wave) or strategy.ask()
+                proposal = self._confirmation(n_trials - used - len(wave), wave) or \
+                    strategy.ask([p.cand for p in wave])  # the next ask proposes something else
                 if proposal is None:
                     exhausted = True
                     break
@@ -196,7 +184,6 @@ class StudyLoop:
                         return f"n_trials={n_trials} launched"
                 trial.set_user_attr(Attr.LAUNCHED, True)
                 self._unproven_in_wave += self._unproven
-                strategy.pending.append(cand)  # the next ask() proposes something else
                 wave.append(Pending(trial, cand, proposal, self.job.timeouts.limit(self.durations),
                                     n=used + len(wave) + 1))
             if not wave:
@@ -204,7 +191,6 @@ class StudyLoop:
                     why = strategy.stop_reason
                     return f"strategy exhausted: {why}" if why else "strategy exhausted"
                 continue
-            strategy.pending.clear()
             launched += len(wave)
             self._launch_wave(wave)  # an exhausted strategy may have more to say once it knows the results
 
@@ -250,20 +236,12 @@ class StudyLoop:
             p.trial.set_user_attr(Attr.REASONS, ["not launched: the study's budget was used by other workers"])
             self.study.tell(p.trial, state=TrialState.PRUNED)
             self._close(p.number)
-        self.job.strategy.pending.clear()
 
     def _close(self, number: int) -> None:
         self._open.pop(number, None)
         self._known.add(number)
         if self.liveness is not None:
             self.liveness.release(number)
-
-    def _refusal(self, o: Outcome) -> traits.Trait | None:
-        """The injected features a failed launch's message says the trainer refused."""
-        if not o.launched or o.state != "failed" or o.kind not in (FailureKind.CRASH.value,
-                                                                 FailureKind.INVALID_ARGS.value):
-            return None
-        return traits.refused(" ".join(o.reasons), self.job.space.options(o.candidate), o.trial_number)
 
     # --- one proposal ------------------------------------------------------------------------------
     def _ask(self, proposal: Proposal) -> tuple[optuna.Trial, dict]:
@@ -300,19 +278,18 @@ class StudyLoop:
     def _screen(self, trial: optuna.Trial, cand: dict, proposal: Proposal) -> Outcome | None:
         """Record and return the outcome of a candidate that must not be launched; None to launch."""
         job = self.job
-        predicted = job.predict_gb(cand)
+        verdict = job.assess(cand)  # the judge: rules, policies, memory, refused features
+        predicted = verdict.predicted_gb
         if predicted is not None:
             trial.set_user_attr(Attr.PREDICTED_GB, round(predicted, 2))
-        broken = job.screen(cand)
-        if not broken:
-            options = job.space.options(cand)
-            broken = [("refused", t.describe()) for t in self.refused if t.matches(options)][:1]
-        if broken and broken[0][0] == "predicted_oom" and proposal.probe_memory:
+        broken = list(verdict.reasons)
+        if broken and broken[0][0] == MEMORY_RULE and proposal.probe_memory:
             trial.set_user_attr(Attr.MEMORY_PROBE, broken[0][1])  # launched on purpose; the outcome teaches
-            broken = []
+            # ... but never past what an OOM proves
+            broken = [(OOM_DOMINATED_RULE, verdict.oom_dominated)] if verdict.oom_dominated else []
         self._unproven = False
         if not broken:
-            broken = self._oom_screen(cand, predicted)
+            broken = self._oom_budget(cand)
         dup = self.measured.get(job.space.key(cand))
         if not broken and dup is not None and proposal.repeat:
             trial.set_user_attr(Attr.REPEAT_OF, dup.trial_number)  # measured again on purpose (noise)
@@ -326,38 +303,31 @@ class StudyLoop:
     # --- the OOM budget, for every strategy ---------------------------------------------------------
     def proof_of_fit(self, cand: dict) -> str | None:
         """Why `cand` surely fits, or None: it needs no more memory than a run that fit, by structure
-        (dominance.py). Before any run fit, the learned memory model's 3 sd under the GPU's capacity
-        stands in (nothing else can start a study); after, not: the estimate's formulas may not be the
-        trainer's (activations growing faster than the micro-batch, experts that TP does not split),
-        and a memory model fitted to them can be confidently wrong."""
-        ran = dominated_by(self.job.space, cand, self.fit_runs)
-        if ran is not None:
-            return f"needs no more memory than trial {ran.trial_number}, which fit"
-        if self.fit_runs:
+        (the judge's `fit_proof`). Before any run fit, the learned memory model's 3 sd under the GPU's
+        capacity stands in (nothing else can start a study); after, not: the estimate's formulas may not
+        be the trainer's (activations growing faster than the micro-batch, experts that TP does not
+        split), and a memory model fitted to them can be confidently wrong."""
+        a = self.job.assess(cand)
+        if a.fit_proof is not None:
+            return a.fit_proof
+        if self.job.fit_runs or a.predicted_gb is None or a.sd is None:
             return None
-        job = self.job
-        args = job.space.memory_args(cand)
-        gb, sd = job.memory.predict(**args), job.memory.predict_sd(**args)
-        if gb is not None and sd is not None and gb + 3 * sd <= job.memory.capacity_gb:
-            return f"learned {gb:.0f} +- {sd:.1f} GB, 3 sd under {job.memory.capacity_gb:g} GB"
+        if a.predicted_gb + 3 * a.sd <= self.job.capacity_gb:
+            return f"learned {a.predicted_gb:.0f} +- {a.sd:.1f} GB, 3 sd under {self.job.capacity_gb:g} GB"
         return None
 
-    def _oom_screen(self, cand: dict, predicted: float | None) -> list[tuple[str, str]]:
-        """What an OOM proves, and the study's OOM budget: a candidate needing at least as much memory as
-        a run that ran out is not launched; once `max_ooms` launches ran out of memory (counting this
-        wave's unproven ones), only what `proof_of_fit` proves fits is."""
-        self._unproven = False
-        if self.proof_of_fit(cand) is not None:  # evidence first: it, or more than it, ran and fit
+    def _oom_budget(self, cand: dict) -> list[tuple[str, str]]:
+        """The study's OOM budget, whatever the strategy: once `max_ooms` launches ran out of memory
+        (counting this wave's launches not proven to fit), only what `proof_of_fit` proves fits is
+        launched. (What an OOM proves, `oom_dominated`, is among the judge's reasons already.)"""
+        if self.proof_of_fit(cand) is not None:
             return []
-        bad = dominated_by(self.job.space, cand, self.oom_runs, below=False)
-        if bad is not None:
-            return [("oom_dominated", f"needs at least as much memory as trial {bad.trial_number}, which ran "
-                                      f"out of memory (same or narrower split, mbs >= its, recompute <= its)")]
-        spent = len(self.oom_runs) + self._unproven_in_wave
-        if spent >= self.max_ooms:
-            est = "" if predicted is None else f" (predicted {predicted:.0f} GB)"
+        ooms = len(self.job.oom_runs)
+        if ooms + self._unproven_in_wave >= self.max_ooms:
+            gb = self.job.assess(cand).predicted_gb
+            est = "" if gb is None else f" (predicted {gb:.0f} GB)"
             return [("oom_budget", f"the study spent its max_ooms={self.max_ooms} launches that may run out of "
-                                   f"memory ({len(self.oom_runs)} ran out); this candidate{est} is not proven to fit")]
+                                   f"memory ({ooms} ran out); this candidate{est} is not proven to fit")]
         self._unproven = True
         return []
 
@@ -443,7 +413,7 @@ class StudyLoop:
             if res.kind == FailureKind.TIMEOUT.value and self.job.timeouts.is_dynamic_cut(p.limit):
                 reason = f"cut at the dynamic limit {p.limit:.1f} s (from the fastest success): {reason}"
             outcome = replace(outcome, kind=res.kind or FailureKind.CRASH.value, reasons=[reason])
-            if self._refusal(outcome) is not None:  # a trait of the configuration, not bad luck
+            if self.job.refusal(outcome) is not None:  # a trait of the configuration, not bad luck
                 outcome = replace(outcome, kind=FailureKind.INVALID_ARGS.value)
             record.store(p.trial, outcome)
             self.study.tell(p.trial, state=TrialState.FAIL, skip_if_finished=True)

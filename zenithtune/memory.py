@@ -40,7 +40,6 @@ import math
 import statistics
 import subprocess
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -309,6 +308,17 @@ DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration 
 COMPONENTS = ("weights", "optimizer", "activations", "expert_activations", "logits")
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the memory model says of one layout (`MemoryModel.verdict`)."""
+
+    predicted_gb: float | None  # the learned prediction (None: the shape is too unknown)
+    sd: float | None  # its uncertainty, 1 sd in GB
+    oom_risk: float  # probability of running out of memory (0 when proven to fit)
+    proven_fit: bool  # a configuration needing at least as much of every component already ran
+    oom: str | None  # why it would surely run out of memory, or None
+
+
 class MemoryModel:
     """The estimate, corrected per study by what trials really used (per component, not one scale).
 
@@ -329,21 +339,24 @@ class MemoryModel:
       or recompute).
     * Evidence beats the estimate: a config needing no more of any component than one that already
       ran is never pruned, whatever the fit says; a measured config is predicted at what it measured.
-    Prune limit: capacity x (1 + safety_margin), since the estimate errs on the high side.
+    Prune limit: capacity x (1 + margin), since the estimate errs on the high side.
     """
 
-    def __init__(self, capacity_gb: float, safety_margin: float = DEFAULT_SAFETY_MARGIN, *,
-                 distributed_optimizer: bool = True, overhead_gb: float = DEFAULT_OVERHEAD_GB,
-                 flash_attention: bool = True):
+    def __init__(self, model: ModelInfo, capacity_gb: float, *, distributed_optimizer: bool = True,
+                 flash_attention: bool = True, margin: float = DEFAULT_SAFETY_MARGIN,
+                 overhead_gb: float = DEFAULT_OVERHEAD_GB):
         if capacity_gb <= 0:
             raise ValueError(f"capacity_gb={capacity_gb} must be positive (GPU memory in GB, e.g. 80)")
-        if safety_margin < 0:
-            raise ValueError(f"safety_margin={safety_margin} must be >= 0 (0.10 = prune above capacity x 1.10)")
+        if margin < 0:
+            raise ValueError(f"margin={margin} must be >= 0 (0.10 = prune above capacity x 1.10)")
+        # the study's constants, bound once: every call names only the layout (and ViT checkpointing)
+        self.model = model
         self.capacity_gb = float(capacity_gb)
-        self.safety_margin = float(safety_margin)
-        # estimate() keywords used unless a call passes its own
-        self.defaults: dict[str, Any] = {"distributed_optimizer": distributed_optimizer, "overhead_gb": overhead_gb,
-                                         "flash_attention": flash_attention}
+        self.margin = float(margin)
+        self.distributed_optimizer = bool(distributed_optimizer)
+        self.flash_attention = bool(flash_attention)
+        self.overhead_gb = float(overhead_gb)
+        self._estimates: dict[tuple[Layout, bool | None], MemoryEstimate | None] = {}  # the estimate never learns
         self._measured: list[tuple[np.ndarray, float]] = []  # (components, measured allocated GB)
         self._bounds: list[tuple[MemoryEstimate, float]] = []  # (what ran out of memory, GB it needed at least)
         self._frag: list[tuple[bool, float]] = []  # (full recompute?, measured reserved / allocated)
@@ -357,7 +370,7 @@ class MemoryModel:
 
     @property
     def limit_gb(self) -> float:
-        return self.capacity_gb * (1 + self.safety_margin)
+        return self.capacity_gb * (1 + self.margin)
 
     @property
     def scales(self) -> dict[str, float]:
@@ -380,8 +393,14 @@ class MemoryModel:
         """Configurations observed to run out of memory in this study."""
         return len(self._oom)
 
-    def _estimate(self, layout: Layout, model: ModelInfo, **kw: Any) -> MemoryEstimate | None:
-        return estimate(layout, model, **{**self.defaults, **kw})
+    def estimate(self, layout: Layout, vit_checkpointing: bool | None = None) -> MemoryEstimate | None:
+        """The uncorrected estimate of `layout` for this study's model (None: the shape is too unknown)."""
+        key = (layout, vit_checkpointing)
+        if key not in self._estimates:
+            self._estimates[key] = estimate(layout, self.model, distributed_optimizer=self.distributed_optimizer,
+                                            vit_checkpointing=vit_checkpointing, overhead_gb=self.overhead_gb,
+                                            flash_attention=self.flash_attention)
+        return self._estimates[key]
 
     @staticmethod
     def _x(est: MemoryEstimate) -> np.ndarray:
@@ -436,16 +455,18 @@ class MemoryModel:
         self._w = w * max(short, 1.0)
         self._cov = np.linalg.inv(A)
 
-    def predict(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
-        est = self._estimate(layout, model, **kw)
+    def predict(self, layout: Layout, vit_checkpointing: bool | None = None) -> float | None:
+        """Predicted peak GB (the estimate, corrected by what the study measured), or None."""
+        est = self.estimate(layout, vit_checkpointing)
         return None if est is None else self._corrected(est)
 
-    def predict_sd(self, layout: Layout, model: ModelInfo, **kw: Any) -> float | None:
+    def predict_sd(self, layout: Layout, vit_checkpointing: bool | None = None) -> float | None:
         """How uncertain `predict` still is (1 sd, GB): wide for what resembles nothing measured, narrow
         for configs made of the components the measured runs pinned down."""
-        est = self._estimate(layout, model, **kw)
-        if est is None:
-            return None
+        est = self.estimate(layout, vit_checkpointing)
+        return None if est is None else self._sd(est)
+
+    def _sd(self, est: MemoryEstimate) -> float:
         x = self._x(est)
         fitted = (1 + self._fragmentation(est)) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
         return math.hypot(fitted, self.model_error * self._corrected(est))
@@ -471,19 +492,47 @@ class MemoryModel:
         reserve = lambda e: (1 + self._fragmentation(e)) * float(self._x(e) @ self._w)  # noqa: E731
         return reserve(est) <= reserve(ok)
 
-    def proven_fit(self, layout: Layout, model: ModelInfo, **kw: Any) -> bool:
+    def proven_fit(self, layout: Layout, vit_checkpointing: bool | None = None) -> bool:
         """Does a configuration that already ran need at least as much of every component?"""
-        est = self._estimate(layout, model, **kw)
-        return est is not None and any(self._fits_like(est, ok) for ok in self._ok)
+        est = self.estimate(layout, vit_checkpointing)
+        return est is not None and self._proven(est)
 
-    def predicted_oom(self, layout: Layout, model: ModelInfo, **kw: Any) -> str | None:
-        """Why this config would surely run out of memory, or None."""
-        est = self._estimate(layout, model, **kw)
+    def _proven(self, est: MemoryEstimate) -> bool:
+        return any(self._fits_like(est, ok) for ok in self._ok)
+
+    def oom_risk(self, layout: Layout, vit_checkpointing: bool | None = None) -> float:
+        """Probability that `layout` runs out of memory, from the learned prediction and its uncertainty
+        (`predict_sd`); 0 when a configuration needing at least as much of every component already ran,
+        or without an estimate."""
+        est = self.estimate(layout, vit_checkpointing)
+        return 0.0 if est is None else self._risk(est, self._proven(est))
+
+    def _risk(self, est: MemoryEstimate, proven: bool) -> float:
+        if proven:
+            return 0.0
+        gb, sd = self._corrected(est), self._sd(est)
+        if not sd:
+            return 0.0
+        return 0.5 * math.erfc((self.capacity_gb - gb) / (sd * math.sqrt(2)))
+
+    def verdict(self, layout: Layout, vit_checkpointing: bool | None = None) -> Verdict:
+        """Everything the model says of one layout at once (one estimate, one proof search)."""
+        est = self.estimate(layout, vit_checkpointing)
         if est is None:
-            return None
+            return Verdict(None, None, 0.0, False, None)
+        proven = self._proven(est)
+        return Verdict(self._corrected(est), self._sd(est), self._risk(est, proven), proven,
+                       None if proven else self._oom_reason(est))
+
+    def predicted_oom(self, layout: Layout, vit_checkpointing: bool | None = None) -> str | None:
+        """Why this config would surely run out of memory, or None."""
+        est = self.estimate(layout, vit_checkpointing)
+        if est is None or self._proven(est):
+            return None  # (proven: something needing at least as much of everything already ran)
+        return self._oom_reason(est)
+
+    def _oom_reason(self, est: MemoryEstimate) -> str | None:
         x = self._x(est)
-        if any(self._fits_like(est, ok) for ok in self._ok):
-            return None  # something needing at least as much of everything already ran
         for bad in self._oom:
             # ...and clearly more in total: fragmentation differs between configurations (full recompute,
             # MoE token counts), so one a hair above an OOM may still fit; the learned rules judge those
@@ -501,7 +550,7 @@ class MemoryModel:
             if self._fixed(est) < self._assumed_fixed(est):
                 moved.append(f"non-PyTorch <= {self._fixed(est):.1f} GB")
             learned = f", learned {' '.join(moved)}" if moved and (self._measured or self._bounds) else ""
-            return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.safety_margin:.2f} "
+            return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.margin:.2f} "
                     f"margin ({est.breakdown()}{learned})")
         return None
 
@@ -512,11 +561,11 @@ class MemoryModel:
         if off > 2 * math.hypot(sd, MODEL_ERROR * predicted):
             self._misses.append(off / max(predicted, 1e-9))
 
-    def observe_success(self, layout: Layout, model: ModelInfo, measured_peak_gb: float | None, *,
-                        reserved_gb: float | None = None, **kw: Any) -> None:
+    def observe_success(self, layout: Layout, measured_peak_gb: float | None, *, reserved_gb: float | None = None,
+                        vit_checkpointing: bool | None = None) -> None:
         """A run that completed; `measured_peak_gb` is Megatron's "max allocated" (None if not
         printed), `reserved_gb` its "max reserved"."""
-        est = self._estimate(layout, model, **kw)
+        est = self.estimate(layout, vit_checkpointing)
         if est is None:
             return
         self._ok.append(est)
@@ -539,10 +588,11 @@ class MemoryModel:
         self._fixed_cap = room if self._fixed_cap is None else min(self._fixed_cap, room)
         self._fit()
 
-    def observe_oom(self, layout: Layout, model: ModelInfo, *, needed_gb: float | None = None, **kw: Any) -> None:
+    def observe_oom(self, layout: Layout, *, needed_gb: float | None = None,
+                    vit_checkpointing: bool | None = None) -> None:
         """A run that ran out of memory; `needed_gb` is what the OOM message proves it needed at least
         (memory in use + the allocation that failed), if known."""
-        est = self._estimate(layout, model, **kw)
+        est = self.estimate(layout, vit_checkpointing)
         if est is None:
             return
         self._oom.append(est)

@@ -111,7 +111,7 @@ class Progress(Callbacks):
         """The space report; for a resumed study also its best so far and the launches already used."""
         self.best = best
         ctx, s = job.ctx, job.survey
-        self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {ctx.gpu_memory_gb:g} GB from "
+        self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {job.capacity_gb:g} GB from "
                   f"{job.memory_source}), gbs={ctx.gbs}, model: {ctx.model.summary()}")
         self.line(f"space: {s.total} candidates")
         groups = (("megatron", "Megatron would reject"),

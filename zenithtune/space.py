@@ -53,8 +53,6 @@ class Context:
     model: ModelInfo = field(default_factory=ModelInfo)
     mbs_max: int = 8
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
-    distributed_optimizer: bool = True  # the command has --use-distributed-optimizer
     vlm_full_uniform_only: bool = True  # see conf/preset/megatron.yaml
     flags: CommandFacts = field(default_factory=CommandFacts)  # the user's own flags (command.facts)
     policy_off: frozenset[str] = frozenset()  # policy rules switched off (prune.policy.<name>=false)
@@ -429,13 +427,6 @@ class Space:
             if self.applies(name, cand):
                 cand[name] = trial.suggest_categorical(name, list(p.choices))
         return self.normalize(cand)
-
-    def memory_args(self, cand: Mapping[str, Any]) -> dict[str, Any]:
-        """What the memory model needs to judge a candidate: `memory.predict(**space.memory_args(c))`."""
-        return {"layout": self.layout(cand), "model": self.ctx.model,
-                "distributed_optimizer": self.ctx.distributed_optimizer,
-                "vit_checkpointing": self.vit_checkpointing(cand)}
-
 
 
 def stock_search_space(cfg: Any, trial: Any) -> None:

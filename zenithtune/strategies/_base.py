@@ -1,30 +1,37 @@
 """The strategy interface: propose the next candidate from what the study has seen so far.
 
+A strategy asks what it is handed, like an Optuna sampler: the study's judge (`assessment.Judge`,
+the study setting) answers everything about a candidate in one `Assessment` (rules, predicted memory,
+its uncertainty, OOM risk, proof of fit, refused features), so a strategy keeps no memory model, no
+screen and no memo of its own.
+
 Life of a strategy in a study (the zenithtune sweeper drives it):
 
 1. ``Strategy(**cfg)`` — Hydra instantiates it from ``conf/strategy/<name>.yaml``.
 2. ``sampler()`` — the Optuna sampler the study is created with. It only fills the parameters a
    proposal leaves open (staged_blackbox, tpe); deterministic strategies leave nothing open.
-3. ``setup(space, memory, history)`` — once, before the first proposal, with the job's `Space`
-   (its ``ctx`` is the `Context`), the study's memory model (may be None) and the outcomes already
-   in the study (a resumed study); default: keep them.
-4. ``ask()`` — the next `Proposal`, or None when the strategy has nothing left to try. A proposal
-   fixes some or all parameters; the sweeper samples the rest through the study's sampler, checks
-   the candidate (structural rules, predicted OOM, already measured) and launches it or not.
+3. ``setup(judge, history, direction, metric)`` — once, before the first proposal: the judge (its
+   ``space``, ``ctx`` and ``capacity_gb``, and ``assess(cand)``), the outcomes already in the study (a
+   resumed study), and what the evaluator scores (``direction`` "maximize" or "minimize", the
+   ``metric`` name). Default: keep them.
+4. ``ask(pending)`` — the next `Proposal`, or None when the strategy has nothing left to try.
+   ``pending`` holds the candidates already proposed for this wave and not yet told (parallel trials):
+   ``tried(cand, pending)`` counts them as tried, so each ask proposes the next best one (the constant
+   liar idea: a candidate in flight is treated as known). A proposal fixes some or all parameters; the
+   sweeper samples the rest through the study's sampler, screens the candidate (the judge's reasons,
+   already measured) and launches it or not.
 5. ``tell(outcome)`` — every proposal's `Outcome`, launched or not (hook; default: remember it).
-   In a study shared by several workers, also the outcomes other workers measured, as they come.
+   In a study shared by several workers, also the outcomes other workers measured, as they come. The
+   judge has learned from a launched outcome before it is told, so assessments after `tell` use it.
 
-Parallel trials (``parallel_trials: K``): the sweeper calls ``ask()`` up to K times before it launches
-the wave, and puts every candidate it will launch into ``pending`` until the wave's outcomes are told.
-``tried()`` counts pending candidates as tried, so each ask() proposes the next best one (the
-constant-liar idea: a candidate in flight is treated as known). A strategy whose next proposal depends
-on the last outcome sets ``sequential = True`` and is asked once per wave.
+Parallel trials (``parallel_trials: K``): the sweeper calls ``ask`` up to K times before it launches
+the wave. A strategy whose next proposal depends on the last outcome sets ``sequential = True`` and is
+asked once per wave.
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,8 +40,8 @@ from zenithtune.record import Outcome, best_of
 if TYPE_CHECKING:
     import optuna
 
-    from zenithtune.memory import MemoryModel
-    from zenithtune.space import Candidate, Space
+    from zenithtune.assessment import Judge
+    from zenithtune.space import Candidate, Context, Space
 
 @dataclass
 class Proposal:
@@ -60,7 +67,7 @@ class Strategy(ABC):
     """Base class of every search strategy (see the module docstring for its life)."""
 
     direction: Literal["maximize", "minimize"] = "maximize"
-    metric: str = "TFLOP/s/GPU"  # the evaluator's unit (the study loop sets both before setup)
+    metric: str = "TFLOP/s/GPU"  # the evaluator's unit
     sequential: bool = False  # True: one proposal per wave (the next depends on the last outcome)
     # An exhaustive strategy proposes each candidate once and ends by itself: the study loop never stops
     # it for proposals it could not launch (a sampler may repeat; an exhaustive one must mean all).
@@ -70,21 +77,27 @@ class Strategy(ABC):
     # True: the strategy measures its best again itself when noise could have decided it (repeats);
     # False: the study loop spends the budget's last launches on that (loop.CONFIRM_AT_END).
     confirms_best: bool = False
+    judge: Judge
+    space: Space
+    ctx: Context
 
     def sampler(self) -> optuna.samplers.BaseSampler:
         import optuna
 
         return optuna.samplers.RandomSampler(seed=0)
 
-    def setup(self, space: Space, memory: MemoryModel | None, history: list[Outcome]) -> None:
-        self.space = space
-        self.memory = memory
+    def setup(self, judge: Judge, history: list[Outcome], direction: Literal["maximize", "minimize"] = "maximize",
+              metric: str = "TFLOP/s/GPU") -> None:
+        self.judge = judge
+        self.space = judge.space
+        self.ctx = judge.ctx
         self.history: list[Outcome] = list(history)
-        self.pending: list[Candidate] = []  # proposed and about to be launched; outcomes not yet told
+        self.direction = direction
+        self.metric = metric
 
     @abstractmethod
-    def ask(self) -> Proposal | None:
-        """The next proposal, or None when exhausted."""
+    def ask(self, pending: Sequence[Candidate] = ()) -> Proposal | None:
+        """The next proposal (none of `pending`), or None when exhausted."""
 
     def tell(self, outcome: Outcome) -> None:
         self.history.append(outcome)
@@ -103,37 +116,16 @@ class Strategy(ABC):
         key = self.space.key(cand)
         return [float(o.value) for o in self.history if o.ok and self.space.key(o.candidate) == key]  # type: ignore[arg-type]
 
-    def tried_keys(self) -> set[tuple]:
+    def tried_keys(self, pending: Sequence[Candidate] = ()) -> set[tuple]:
         """Keys of every candidate told (launched or not) or pending in the current wave."""
-        return {self.space.key(o.candidate) for o in self.history} | \
-            {self.space.key(c) for c in getattr(self, "pending", ())}
+        return {self.space.key(o.candidate) for o in self.history} | {self.space.key(c) for c in pending}
 
-    def tried(self, cand: Candidate) -> bool:
-        return self.space.key(cand) in self.tried_keys()
+    def tried(self, cand: Candidate, pending: Sequence[Candidate] = ()) -> bool:
+        return self.space.key(cand) in self.tried_keys(pending)
 
     def rate(self, value: float) -> float:
         """A measured value as a rate, higher is better (s/it, as ms-swift reports it, is the inverse of one)."""
         return value if self.direction == "maximize" else 1.0 / max(value, 1e-12)
-
-    def risk_of_oom(self, cand: Candidate) -> float:
-        """Probability that the candidate runs out of memory, from the study's learned memory model and
-        its uncertainty (`MemoryModel.predict_sd`); 0 when a configuration needing at least as much of
-        every memory component already ran, or without a memory model."""
-        if self.memory is None:
-            return 0.0
-        args = self.space.memory_args(cand)
-        if self.memory.proven_fit(**args):
-            return 0.0
-        gb, sd = self.memory.predict(**args), self.memory.predict_sd(**args)
-        if gb is None or not sd:
-            return 0.0
-        return 0.5 * math.erfc((self.space.ctx.gpu_memory_gb - gb) / (sd * math.sqrt(2)))
-
-    def predict_gb(self, cand: Candidate) -> float | None:
-        """The study's memory prediction for a candidate (None without a memory model or shape)."""
-        if self.memory is None:
-            return None
-        return self.memory.predict(**self.space.memory_args(cand))
 
 
 def tpe_sampler(seed: int, n_startup_trials: int, multivariate: bool = True) -> optuna.samplers.BaseSampler:

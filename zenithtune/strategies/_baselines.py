@@ -2,7 +2,7 @@
 ZenithTune's heuristic (MEGATRON.md §Upstream), both behind the same interface as ours."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zenithtune.record import Outcome
@@ -28,7 +28,7 @@ class TPEStrategy(Strategy):
     def sampler(self) -> optuna.samplers.BaseSampler:
         return tpe_sampler(self.seed, self.n_startup_trials, self.multivariate)
 
-    def ask(self) -> Proposal | None:
+    def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
         if self._valid is None:
             self._valid = sum(1 for _ in self.space.walk())
         # valid candidates already measured or screened for memory/duplication; structural rejects
@@ -61,7 +61,7 @@ class UpstreamStrategy(Strategy):
         self._plan: Iterator[Proposal] | None = None
         self._asked: tuple | None = None
 
-    def ask(self) -> Proposal | None:
+    def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:  # sequential: nothing is pending
         if self._plan is None:
             self._plan = self._steps()
         proposal = next(self._plan, None)
@@ -77,7 +77,7 @@ class UpstreamStrategy(Strategy):
         return [v for v in vals if v & (v - 1) == 0 and (cap is None or v <= cap)]
 
     def _upstream_ok(self, tp: int, ep: int, mbs: int) -> bool:
-        n, gbs = self.space.ctx.n_gpus, self.space.ctx.gbs
+        n, gbs = self.ctx.n_gpus, self.ctx.gbs
         if n % (tp * ep):  # upstream: DP = N / (tp·pp·cp·ep·etp), with pp = cp = etp = 1
             return False
         return gbs % (mbs * (n // (tp * ep))) == 0
@@ -95,13 +95,13 @@ class UpstreamStrategy(Strategy):
         return None
 
     def _steps(self) -> Iterator[Proposal]:
-        moe = self.space.ctx.model.is_moe
-        tps = sorted(self._pow2("tp", self.space.ctx.gpus_per_node), reverse=True)
+        moe = self.ctx.model.is_moe
+        tps = sorted(self._pow2("tp", self.ctx.gpus_per_node), reverse=True)
         eps = sorted(self._pow2("ep")) if moe else [1]
         base: dict = {"pp": 1, "cp": 1}
-        if self.space.ctx.model.is_vlm:
+        if self.ctx.model.is_vlm:
             base["vit_gradient_checkpointing"] = True
-        grans = ("full",) if self.space.ctx.model.is_vlm else ("selective", "full")
+        grans = ("full",) if self.ctx.model.is_vlm else ("selective", "full")
         best_ep: dict[int, int] = {}
         for tp in tps:
             for ep in eps:

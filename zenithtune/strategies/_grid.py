@@ -1,6 +1,7 @@
 """Exhaustive search: every valid candidate once. The ground truth of the benchmark."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from zenithtune.strategies._base import Proposal, Strategy
@@ -17,16 +18,16 @@ class GridStrategy(Strategy):
 
     def _build(self) -> list[dict]:
         cands = list(self.space.walk())
-        if self.order == "memory" and self.memory is not None:
-            cands.sort(key=lambda c: self.predict_gb(c) or 0.0)
+        if self.order == "memory":
+            cands.sort(key=lambda c: self.judge.assess(c).predicted_gb or 0.0)
         return cands
 
-    def ask(self) -> Proposal | None:
+    def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
         if self._queue is None:
             self._queue = self._build()
         while self._queue:
             cand = self._queue.pop(0)
-            if not self.tried(cand):
+            if not self.tried(cand, pending):
                 return Proposal(cand, why="grid")
         self.stop_reason = "every valid candidate was proposed"
         return None

@@ -46,15 +46,19 @@ How it chooses (each launch says which of these made it):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.dominance import dominated_by
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._speed import LEVEL_SD, SpeedModel
+
+if TYPE_CHECKING:
+    from zenithtune.assessment import Judge
 
 RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `max_ooms`
 # Kendall's tau between the prior's ranking and the measured one below which every prediction's
@@ -113,11 +117,13 @@ class HeuristicStrategy(Strategy):
         self.repeats = int(repeats)
         self.noise = float(noise)  # run-to-run noise assumed until repeats measure it (relative sd)
         self._predicted: dict[tuple, tuple[float, float]] = {}  # key -> (predicted rate, log sd) when proposed
+        self._pending: list[dict] = []  # this wave's proposals not yet told (ask's `pending`)
 
     # --- the pool -----------------------------------------------------------------------------------
-    def setup(self, space, memory, history) -> None:
-        super().setup(space, memory, history)
-        ctx = space.ctx
+    def setup(self, judge: Judge, history: list[Outcome], direction: Literal["maximize", "minimize"] = "maximize",
+              metric: str = "TFLOP/s/GPU") -> None:
+        super().setup(judge, history, direction, metric)
+        ctx, space = self.ctx, self.space
         valid = list(space.walk())
         self._dropped: dict[str, int] = {}
         pool = [c for c in valid if self._domain_ok(c)]
@@ -136,7 +142,7 @@ class HeuristicStrategy(Strategy):
                                   num_layers=ctx.model.num_layers or 32)
 
     def _domain_ok(self, c: dict) -> bool:
-        ctx = self.space.ctx
+        ctx = self.ctx
         why = None
         if self.tp_within_node and c.get("tp", 1) > ctx.gpus_per_node:
             why = "tp across nodes"
@@ -153,7 +159,7 @@ class HeuristicStrategy(Strategy):
         for i, c in enumerate(pool):
             if c.get("recompute_method") == "uniform":
                 k = (_lay(c), c.get("mbs"), c.get("vit_gradient_checkpointing"))
-                gb = self._estimate(c)
+                gb = self.judge.assess(c).predicted_gb
                 gb = gb if gb is not None else float(c.get("recompute_num_layers") or 1)
                 if k not in best or gb < best[k][0]:
                     best[k] = (gb, i)
@@ -161,43 +167,26 @@ class HeuristicStrategy(Strategy):
         return [c for i, c in enumerate(pool) if c.get("recompute_method") != "uniform" or i in keep]
 
     # --- memory -------------------------------------------------------------------------------------
-    def _estimate(self, c: dict) -> float | None:
-        """Raw (uncorrected) estimate, GB."""
-        if self.memory is None:
-            return None
-        from zenithtune.memory import estimate
-
-        ctx = self.space.ctx
-        est = estimate(self.space.layout(c), ctx.model, distributed_optimizer=ctx.distributed_optimizer,
-                       vit_checkpointing=self.space.vit_checkpointing(c))
-        return None if est is None else est.total_gb
-
     def _fits(self, c: dict, share: float | None) -> tuple[bool, str]:
-        if self.memory is None:
-            return True, "memory unknown"
-        lay, ctx = self.space.layout(c), self.space.ctx
-        kw = dict(distributed_optimizer=ctx.distributed_optimizer, vit_checkpointing=self.space.vit_checkpointing(c))
-        oom = self.memory.predicted_oom(lay, ctx.model, **kw)
-        if oom:
-            return False, oom
-        gb = self.memory.predict(lay, ctx.model, **kw)
+        a = self.judge.assess(c)
+        if a.predicted_oom:
+            return False, a.predicted_oom
+        gb = a.predicted_gb
         if gb is None:
             return True, "memory unknown"
-        cap = ctx.gpu_memory_gb
+        cap = self.judge.capacity_gb
         if share is not None and gb > share * cap:
             return False, f"{gb:.0f}/{cap:g} GB"
         ooms = sum(1 for o in self.history if o.launched and o.kind == "oom")
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
-            fit = [o for o in self.history if o.ok]
-            if ooms >= self.max_ooms and fit:
-                # budget spent: only what a run that fit proves fits, by structure (as the study loop)
-                ran = dominated_by(self.space, c, fit)
-                if ran is None:
+            if ooms >= self.max_ooms and any(o.ok for o in self.history):
+                # budget spent: only what a run that fit proves fits, by structure (the study loop's rule)
+                if a.fit_proof is None:
                     return False, (f"{gb:.0f}/{cap:g} GB, not proven to fit by a run that fit after {ooms} OOM "
                                    f"(max_ooms={self.max_ooms})")
-                return True, f"{gb:.0f}/{cap:g} GB, needs no more memory than trial {ran.trial_number}"
-            risk = self.risk_of_oom(c)
+                return True, f"{gb:.0f}/{cap:g} GB, {a.fit_proof}"
+            risk = a.oom_risk
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
                                f"above {100 * allowed:g} % after {ooms} OOM")
@@ -234,10 +223,9 @@ class HeuristicStrategy(Strategy):
                     c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
                     c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing"):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
-        ooms = [o for o in self.history if o.launched and o.kind == "oom"]
-        bad = dominated_by(self.space, c, ooms, below=False) if ooms else None
-        if bad is not None:  # as the study loop rules out (dominance.py), so as not to propose it
-            return f"needs at least as much memory as trial {bad.trial_number}, which ran out of memory"
+        bad = self.judge.assess(c).oom_dominated
+        if bad is not None:  # the study loop would not launch it either
+            return bad
         # dominance along the ladders of one layout: a larger MBS (same recompute) or more block
         # layers (same MBS) that already lost against a smaller one is not pushed further
         same = [o for o in reps.values() if _lay(o.candidate) == lay and _rec(o.candidate) == rec]
@@ -254,9 +242,10 @@ class HeuristicStrategy(Strategy):
         return None
 
     # --- proposing ----------------------------------------------------------------------------------
-    def ask(self) -> Proposal | None:
+    def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
         self.stop_reason = ""
-        tried = self.tried_keys()  # told, or pending in this wave (parallel_trials): the next best
+        self._pending = list(pending)
+        tried = self.tried_keys(pending)  # told, or pending in this wave (parallel_trials): the next best
         reps = self._reps()  # one outcome per measured candidate, at the median of its measurements
         ok = list(reps.values())
         if not ok:
@@ -301,7 +290,7 @@ class HeuristicStrategy(Strategy):
         # the memory limit a launch may run out of memory and teach nothing about speed, so a candidate's
         # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
         hopeful = np.flatnonzero(ucb > target * (1 + self.min_gain))
-        risk = np.array([self.risk_of_oom(self._pool[at[j]]) for j in hopeful])
+        risk = np.array([self.judge.assess(self._pool[at[j]]).oom_risk for j in hopeful])
         risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
         order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
         ruled = unfit = 0
@@ -360,7 +349,7 @@ class HeuristicStrategy(Strategy):
             if o.launched:
                 k = self.space.key(o.candidate)
                 counts[k] = counts.get(k, 0) + 1
-        for c in getattr(self, "pending", ()):
+        for c in self._pending:
             counts[self.space.key(c)] = counts.get(self.space.key(c), 0) + 1
         return counts
 
@@ -460,14 +449,14 @@ class HeuristicStrategy(Strategy):
     def _probe_ok(self, c: dict) -> bool:
         """May this candidate, screened only by the memory estimate, be launched as a probe? Once per
         `memory_probes`, never after an OOM, and only just past the limit (`probe_reach`)."""
-        if self.memory is None or self.memory_probes <= 0 or self.max_ooms <= 0:
+        if self.memory_probes <= 0 or self.max_ooms <= 0:
             return False
         launched = [o for o in self.history if o.launched]
         if sum(1 for o in launched if o.kind == "oom") or \
                 sum(1 for o in self.history if o.probe) >= self.memory_probes:
             return False
-        gb = self.predict_gb(c)
-        return gb is not None and gb <= self.space.ctx.gpu_memory_gb * (1 + self.probe_reach)
+        gb = self.judge.assess(c).predicted_gb
+        return gb is not None and gb <= self.judge.capacity_gb * (1 + self.probe_reach)
 
     def _first(self, tried: set[tuple]) -> Proposal | None:
         for i in np.argsort(-self._prior, kind="stable"):
@@ -481,7 +470,7 @@ class HeuristicStrategy(Strategy):
         # Nothing fits with the wide margin (a space whose every layout is near the memory limit, e.g.
         # 7 GPUs): rather than give up while valid candidates remain, start with the one predicted to
         # need the least memory among those the study's screen lets through.
-        fallback = [(self.predict_gb(c) or 0.0, i) for i, c in enumerate(self._pool)
+        fallback = [(self.judge.assess(c).predicted_gb or 0.0, i) for i, c in enumerate(self._pool)
                     if self._keys[i] not in tried and not self._ruled_out(c, {}) and self._fits(c, None)[0]]
         if fallback:
             gb, i = min(fallback)
@@ -524,7 +513,7 @@ class HeuristicStrategy(Strategy):
         return "best layout, " + ", ".join(parts)
 
     def _layout_note(self, c: dict) -> str:
-        ctx, m = self.space.ctx, self.space.ctx.model
+        ctx, m = self.ctx, self.ctx.model
         notes = [" ".join(f"{k}={c[k]}" for k in LAYOUT_PARAMS if k in c)]
         if c.get("tp", 1) > 1:
             notes.append(f"tp{c['tp']} inside a node")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from zenithtune.strategies._base import Proposal, Strategy
 
@@ -11,13 +12,13 @@ class RandomStrategy(Strategy):
         self.seed = seed
         self._queue: list[dict] | None = None
 
-    def ask(self) -> Proposal | None:
+    def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
         if self._queue is None:
             self._queue = list(self.space.walk())
             random.Random(self.seed).shuffle(self._queue)
         while self._queue:
             cand = self._queue.pop()
-            if not self.tried(cand):
+            if not self.tried(cand, pending):
                 return Proposal(cand, why="random")
         self.stop_reason = "every valid candidate was proposed"
         return None

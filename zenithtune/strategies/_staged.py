@@ -40,13 +40,16 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 
 if TYPE_CHECKING:
     import optuna
+
+    from zenithtune.assessment import Judge
 
 LAYOUT_STAGE = "layout"
 SETTINGS_STAGE = "settings"
@@ -101,7 +104,9 @@ class StagedBlackboxStrategy(Strategy):
     def sampler(self) -> optuna.samplers.BaseSampler:
         return tpe_sampler(self.seed, self.n_startup_trials)
 
-    def setup(self, space, memory, history) -> None:
+    def setup(self, judge: Judge, history: list[Outcome], direction: Literal["maximize", "minimize"] = "maximize",
+              metric: str = "TFLOP/s/GPU") -> None:
+        space = judge.space
         self._by_layout: dict[tuple, dict[tuple, dict]] = {}  # layout -> {key: candidate} of the valid ones
         for cand in space.walk():
             self._by_layout.setdefault(_layout(space, cand), {})[space.key(cand)] = cand
@@ -110,19 +115,16 @@ class StagedBlackboxStrategy(Strategy):
         self._stage1_layouts: set[tuple] = set()
         self._stage1_launched = 0
         self._streak = 0  # proposals in a row (this stage) that could not be launched
-        self._screen_memo: dict[tuple, str | None] = {}
         self._neighboured: set[tuple] = set()  # (best's key, mbs) already proposed as an MBS neighbour
         self._values: dict[str, list] = {}  # each layout dimension's values, sorted
         self._stepped: set[tuple] = set()  # layouts proposed as a step from the best
         self._layout_steps = 0
-        super().setup(space, memory, [])
+        super().setup(judge, [], direction, metric)
         for o in history:
             self.tell(o)
 
     def tell(self, outcome: Outcome) -> None:
         super().tell(outcome)
-        if outcome.launched:
-            self._screen_memo.clear()
         lay = _layout(self.space, outcome.candidate)
         self._seen.setdefault(lay, set()).add(self.space.key(outcome.candidate))
         if outcome.ok and (lay not in self._best or self.better(outcome.value, self._best[lay].value)):  # type: ignore[arg-type]
@@ -146,12 +148,13 @@ class StagedBlackboxStrategy(Strategy):
         base = {**layout, "mbs": 1}
         if "vit_gradient_checkpointing" in self.space.params:
             base["vit_gradient_checkpointing"] = True
-        cap = self.space.ctx.gpu_memory_gb
+        cap = self.judge.capacity_gb
         for rec in RECOMPUTE_LADDER:
             cand = self.space.normalize({**base, **rec})
-            if self.space.reasons(cand):
+            a = self.judge.assess(cand)
+            if not a.valid:
                 continue
-            gb = self.predict_gb(cand)
+            gb = a.predicted_gb
             if gb is None or gb <= SAFE_SHARE * cap:
                 return cand
         return {**base, **RECOMPUTE_LADDER[-1]}
@@ -169,31 +172,25 @@ class StagedBlackboxStrategy(Strategy):
         elif g == "full":
             share = 1.0
             if c.get("recompute_method") == "block":
-                layers = self.space.ctx.model.num_layers
+                layers = self.ctx.model.num_layers
                 per_stage = layers / int(c.get("pp", 1)) if layers else 8
                 share = min(1.0, int(c.get("recompute_num_layers") or 1) / max(per_stage, 1))
             extra += FULL_RECOMPUTE_WORK * share
         return 1.0 + extra
 
     def _screened(self, c: dict) -> str | None:
-        """Why the study's memory screen would not launch `c` (None: it would). Kept until the next
-        launch, after which the memory model may have learned (the loop teaches it before `tell`)."""
-        if self.memory is None:
-            return None
-        key = self.space.key(c)
-        if key not in self._screen_memo:
-            self._screen_memo[key] = self.memory.predicted_oom(**self.space.memory_args(c))
-        return self._screen_memo[key]
+        """Why the study's memory screen would not launch `c` (None: it would)."""
+        return self.judge.assess(c).predicted_oom
 
     def _may_probe(self, c: dict) -> bool:
         """Once per `memory_probes`, never after an OOM, only just past the screen (`probe_reach`) and
         not when the learned memory model all but rules it out (`probe_risk`)."""
-        if self.memory is None or sum(1 for o in self.history if o.probe) >= self.memory_probes or \
+        if sum(1 for o in self.history if o.probe) >= self.memory_probes or \
                 any(o.launched and o.kind == "oom" for o in self.history):
             return False
-        gb = self.predict_gb(c)
-        return gb is not None and gb <= self.space.ctx.gpu_memory_gb * (1 + self.probe_reach) and \
-            self.risk_of_oom(c) <= self.probe_risk
+        a = self.judge.assess(c)
+        return a.predicted_gb is not None and a.predicted_gb <= self.judge.capacity_gb * (1 + self.probe_reach) \
+            and a.oom_risk <= self.probe_risk
 
     def _lighter(self, best: Outcome, tried: set[tuple]) -> tuple[dict | None, dict | None]:
         """The lightest untried setting of `best`'s layout at its MBS that the screen admits and is
@@ -235,7 +232,7 @@ class StagedBlackboxStrategy(Strategy):
             if probe:
                 return Proposal(dict(c), probe_memory=True, stage=SETTINGS_STAGE,
                                 why=f"stage 2, memory probe: {why}; only the memory estimate hides "
-                                f"{_rec(c)} ({100 * self.risk_of_oom(c):.0f} % risk of running out of "
+                                f"{_rec(c)} ({100 * self.judge.assess(c).oom_risk:.0f} % risk of running out of "
                                 f"memory), one launch tests it at its edge")
             return Proposal(dict(c), stage=SETTINGS_STAGE, why=f"stage 2, promotion: {why}, so {_rec(c)} is measured")
         return None
@@ -338,7 +335,7 @@ class StagedBlackboxStrategy(Strategy):
         return 2 if 1 <= len(moves) <= 2 else 0
 
     # --- both --------------------------------------------------------------------------------------
-    def ask(self) -> Proposal | None:
+    def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
         if not self._stage1_done:
             if not self._stage1_over():
                 if self._streak >= self.patience:
@@ -352,7 +349,7 @@ class StagedBlackboxStrategy(Strategy):
             self._streak = 0
         best = self.best()
         if best is not None:
-            tried = self.tried_keys()
+            tried = self.tried_keys(pending)
             rate = self.rate(float(best.value))  # type: ignore[arg-type]
             step = self._promotion(rate, tried) or self._neighbour(best, tried) or self._layout_step(best)
             if step is not None:
