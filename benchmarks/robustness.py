@@ -37,6 +37,7 @@ the studies. Work is spread over --jobs processes (default 2).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -185,10 +186,12 @@ def _hash(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
 def _sim_hash() -> str:
     return _hash(list((ROOT / "zenithtune" / "sim").glob("*.py")))
 
 
+@functools.cache  # once per run: an edit while it runs must not re-key (and so drop) what it already saved
 def _code_hash() -> str:
     """The tuner's code and configs (the simulator's too): a study is reused only while they are unchanged."""
     return _hash([*(ROOT / "zenithtune").rglob("*.py"), *(ROOT / "zenithtune").rglob("*.yaml"),

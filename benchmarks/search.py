@@ -46,11 +46,12 @@ warnings.filterwarnings("ignore")  # Hydra/OmegaConf deprecation chatter
 
 import optuna  # noqa: E402
 
-from zenithtune import record, settings  # noqa: E402
+from zenithtune import settings  # noqa: E402
 from zenithtune.job import Job, build_job  # noqa: E402
 from zenithtune.loop import Callbacks, Launched, StudyLoop  # noqa: E402
 from zenithtune.sim import simulate  # noqa: E402
 from zenithtune.sim.inprocess import launcher, sim_argv  # noqa: E402
+from zenithtune.study import best as called_best  # noqa: E402
 from zenithtune.validate import required_env  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -192,7 +193,7 @@ def sweep(sc: Scenario) -> Sweep:
     thousands of trials through the loop (--grid-loop does that)."""
     started = time.time()
     job = make_job(sc, "grid", None, 1)
-    cands = sorted(job.space.walk(), key=lambda c: job.assess(c).predicted_gb or 0.0)
+    cands = sorted(job.space.walk(), key=lambda c: job.predict_gb(c) or 0.0)
     best, arg, sbest, sarg = 0.0, {}, 0.0, {}
     curve: list[float | None] = []
     hours: list[float] = []
@@ -200,7 +201,7 @@ def sweep(sc: Scenario) -> Sweep:
     for cand in cands:
         res = simulate(sim_argv(job, cand), required_env(job.space.layout(cand)))
         value = res.tflops if res.kind == "ok" and res.tflops else None
-        if not job.assess(cand).predicted_oom:
+        if not job.predicted_oom(cand):
             hours.append((hours[-1] if hours else 0.0) + res.wall_seconds * sc.n_gpus / 3600.0)
             failed += value is None
             if value is not None and (incumbent is None or value > incumbent):
@@ -247,19 +248,20 @@ def run_study(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> S
     loop = StudyLoop(job, study, launch, trace)
     loop.start([])
     stop = loop.run(n_trials)
-    # the incumbent is what a user would deploy (the best measured score so far), valued at its
-    # steady-state truth so one jittery log line neither flatters nor hurts a strategy
+    # the incumbent is what a user would deploy (what the tuner calls best so far: zenithtune.study.best),
+    # valued at its steady-state truth so one jittery log line (or, on a noisy trainer, one lucky run)
+    # neither flatters nor hurts a strategy
     curve: list[float | None] = []
     hours: list[float] = []
-    failed, seen = 0, []
+    failed = 0
+    so_far: list = []
     for o in loop.outcomes:
         if not o.launched:
             continue
+        so_far.append(o)
         hours.append((hours[-1] if hours else 0.0) + (o.duration or 0.0) * sc.n_gpus / 3600.0)
         failed += not o.ok
-        seen.append(o)
-        # a candidate measured more than once (repeats) counts at the median of its measurements
-        incumbent = record.best_of(seen, job.evaluator.direction)
+        incumbent = called_best(so_far, job.evaluator.direction)
         curve.append(None if incumbent is None else truth.get(incumbent.trial_number, incumbent.value))
     return StudyResult(sc.name, strategy, seed, curve, failed, hours, stop, time.time() - started, trace.lines)
 

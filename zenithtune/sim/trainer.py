@@ -10,13 +10,13 @@ import hashlib
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from typing import Literal
 
 from zenithtune.sim import physics, timing
 from zenithtune.sim.arguments import ArgumentError, ConfigError, SimConfig, parse_megatron
-from zenithtune.sim.noise import QUIET, RUN_ENV
+from zenithtune.sim.noise import RUN_ENV
 from zenithtune.validate import env_errors, megatron_errors
 
 Kind = Literal["ok", "oom", "invalid"]
@@ -65,9 +65,12 @@ class SimResult:
 
 def _seed(cfg: SimConfig, salt: int) -> int:
     """Seed from the parsed run (not its spelling): `--k v`, `--k=v`, ignored options and the ms-swift
-    aliases give the same numbers. The measurement noise (sim/noise.py) is left out: a noisy trainer's
-    noise-free value is the quiet trainer's."""
-    digest = hashlib.blake2b(repr(replace(cfg, noise=QUIET)).encode(), digest_size=8).digest()
+    aliases give the same numbers. The measurement noise (sim/noise.py) is left out, so a noisy
+    trainer's noise-free value is the quiet trainer's, and so is a plain flavour: the numbers of a
+    plain run stay those it gave before flavours existed."""
+    parts = (f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(cfg)
+             if f.name != "noise" and not (f.name == "flavour" and not cfg.flavour.active))
+    digest = hashlib.blake2b(f"SimConfig({', '.join(parts)})".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") ^ salt
 
 
