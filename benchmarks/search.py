@@ -193,7 +193,7 @@ def sweep(sc: Scenario) -> Sweep:
     thousands of trials through the loop (--grid-loop does that)."""
     started = time.time()
     job = make_job(sc, "grid", None, 1)
-    cands = sorted(job.space.walk(), key=lambda c: job.predict_gb(c) or 0.0)
+    cands = sorted(job.space.walk(), key=lambda c: job.assess(c).predicted_gb or 0.0)
     best, arg, sbest, sarg = 0.0, {}, 0.0, {}
     curve: list[float | None] = []
     hours: list[float] = []
@@ -201,7 +201,7 @@ def sweep(sc: Scenario) -> Sweep:
     for cand in cands:
         res = simulate(sim_argv(job, cand), required_env(job.space.layout(cand)))
         value = res.tflops if res.kind == "ok" and res.tflops else None
-        if not job.predicted_oom(cand):
+        if not job.assess(cand).predicted_oom:
             hours.append((hours[-1] if hours else 0.0) + res.wall_seconds * sc.n_gpus / 3600.0)
             failed += value is None
             if value is not None and (incumbent is None or value > incumbent):
