@@ -64,6 +64,7 @@ RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `
 # Kendall's tau between the prior's ranking and the measured one below which every prediction's
 # uncertainty widens (by 1 + the shortfall: tau 0 -> x1.5, reversed -> x2.5)
 CONTRADICTED = 0.5
+UNANCHORED_SD = 0.1  # the doubt (log) on a prediction made only from the prior at the others' level
 
 
 def _lay(c: dict) -> tuple:
@@ -80,7 +81,7 @@ class HeuristicStrategy(Strategy):
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
-                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 3, noise: float = 0.02):
+                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 5, noise: float = 0.02):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -374,8 +375,8 @@ class HeuristicStrategy(Strategy):
 
     def _surprise(self, reps: dict[tuple, Outcome], target: float, noise: float) -> Proposal | None:
         """A result that would steer the search on one measurement: far from its prediction (a slow
-        outlier hides a winner, a fast one crowns a loser) or reversing a micro-batch ladder (which
-        ends it) is measured again first, within the `repeats` budget."""
+        outlier hides what could beat the best, a fast one crowns a loser) or reversing a micro-batch
+        ladder (which ends it) is measured again first, within the `repeats` budget."""
         if self._repeats_left() <= 0:
             return None
         counts = self._counts()
@@ -388,9 +389,14 @@ class HeuristicStrategy(Strategy):
             if counts.get(k, 0) > 1:
                 continue
             speed, pr = self._speed(o), self._predicted.get(k)
+            if pr is None and k in self._index and len(reps) >= 3:
+                # launched without a prediction (the first run): the prior at the level the others show
+                others = [math.log(self._speed(r) / self._prior0[self._index[kk]]) for kk, r in reps.items()
+                          if kk != k and kk in self._index]
+                pr = (float(self._prior0[self._index[k]] * math.exp(float(np.median(others)))), UNANCHORED_SD)
             if pr is not None:
                 off = math.log(speed / pr[0])
-                steers = speed >= target * (1 - 3 * noise) or pr[0] > target
+                steers = speed >= target * (1 - 3 * noise) or pr[0] * math.exp(self.kappa * pr[1]) > target
                 if steers and abs(off) > max(3 * noise, 2 * pr[1]):
                     return self._again(o, f"trial {o.trial_number} measured {self._shown(speed)}, "
                                           f"{100 * off:+.0f} % from its prediction {self._shown(pr[0])}")
