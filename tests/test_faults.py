@@ -215,7 +215,7 @@ def test_grid_is_never_stopped_by_proposals_it_cannot_launch():
     loop = StudyLoop(job, study, lambda n, cand, t: Launched(100.0 + n), max_consecutive_skips=1)
     loop.start([])
     why = loop.run(10_000)
-    assert why == "strategy exhausted"
+    assert why.startswith("strategy exhausted")
     assert len([o for o in loop.outcomes if o.launched]) == len(launchable)  # every launchable one, once
 
 

@@ -111,6 +111,7 @@ BAD_INPUTS = [
     (["-m", "n_gpus=8", "gbs=64", "--", "no-such-trainer-xyz", "--lr", "1"], "no-such-trainer-xyz"),
     (["-m", "n_gpus=8", "gbs=64", "--"], "nothing after `--`"),
     (["-m", "n_gpus=8", "gbs=64", "mbs_max=0"], "mbs_max=0 must be a positive whole number"),
+    (["-m", "n_gpus=8", "gbs=64", "max_ooms=-1"], "max_ooms=-1 must be a whole number >= 0"),
     (["-m", "--", "python", "train.py", "n_gpus=8", "gbs=64"], "n_gpus=8 came after `--` (the training command)"),
 ]
 

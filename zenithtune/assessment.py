@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 MEMORY_RULE = "predicted_oom"  # the rule name a memory screen is recorded under
 REFUSED_RULE = "refused"  # ... and a feature the trainer already refused
+OOM_DOMINATED_RULE = "oom_dominated"  # ... and a candidate needing at least as much as one that ran out
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class Assessment:
     oom_risk: float  # probability it runs out of memory (0 when proven to fit)
     proven_fit: bool  # a configuration needing at least as much of every memory component already ran
     predicted_oom: str | None  # why the memory model says it surely runs out of memory, whatever the rules say
+    # Proofs by structure (dominance.py), whatever the trainer: why it surely fits (it needs no more
+    # memory than a run that fit; then it is never screened for memory and its risk is 0), and why it
+    # surely runs out (it needs at least as much as a run that did).
+    fit_proof: str | None = None
+    oom_dominated: str | None = None
 
     @property
     def launchable(self) -> bool:
@@ -42,7 +48,7 @@ class Assessment:
     @property
     def valid(self) -> bool:
         """Megatron and the policies accept it (memory and refused features aside)."""
-        return not self.reasons or self.reasons[0][0] in (MEMORY_RULE, REFUSED_RULE)
+        return not self.reasons or self.reasons[0][0] in (MEMORY_RULE, REFUSED_RULE, OOM_DOMINATED_RULE)
 
 
 class Judge(Protocol):

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zenithtune import modelinfo, preflight, traits
-from zenithtune.assessment import MEMORY_RULE, REFUSED_RULE, Assessment
+from zenithtune.assessment import MEMORY_RULE, OOM_DOMINATED_RULE, REFUSED_RULE, Assessment
 from zenithtune.command import facts, trainer_problem
+from zenithtune.dominance import dominated_by
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
 from zenithtune.inject import find_option
@@ -48,6 +49,8 @@ class Setting:
     memory: MemoryModel
     memory_source: str  # where the GPU's capacity came from, for the report
     refused: list[traits.Trait] = field(default_factory=list)  # features the trainer refused
+    fit_runs: list[Outcome] = field(default_factory=list)  # launched runs that completed (proofs of fit)
+    oom_runs: list[Outcome] = field(default_factory=list)  # launched runs that ran out of memory
     _assessed: dict[tuple, Assessment] = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -65,13 +68,26 @@ class Setting:
         lay = self.space.layout(cand)
         mem = self.memory.verdict(lay, self.space.vit_checkpointing(cand))
         reasons = self.space.reasons(cand)  # the job's choices, Megatron's rules, the policies
+        # evidence before the estimate: a candidate needing no more memory than a run that fit fits,
+        # and one needing at least as much as a run that ran out does not (dominance.py)
+        ran = dominated_by(self.space, cand, self.fit_runs)
+        fit_proof = None if ran is None else f"needs no more memory than trial {ran.trial_number}, which fit"
+        bad = None if ran is not None else dominated_by(self.space, cand, self.oom_runs, below=False)
+        oom_dominated = None if bad is None else (f"needs at least as much memory as trial {bad.trial_number}, "
+                                                  f"which ran out of memory (same or narrower split and "
+                                                  f"recompute, mbs >= its)")
+        if fit_proof is not None:
+            mem = replace(mem, oom_risk=0.0, oom=None)
         if not reasons and mem.oom:
             reasons = [(MEMORY_RULE, mem.oom)]
+        if not reasons and oom_dominated:  # whatever the estimate says
+            reasons = [(OOM_DOMINATED_RULE, oom_dominated)]
         if not reasons and self.refused:
             options = self.space.options(cand)
             reasons = [(REFUSED_RULE, t.describe()) for t in self.refused if t.matches(options)][:1]
         return Assessment(layout=lay, reasons=tuple(reasons), predicted_gb=mem.predicted_gb, sd=mem.sd,
-                          oom_risk=mem.oom_risk, proven_fit=mem.proven_fit, predicted_oom=mem.oom)
+                          oom_risk=mem.oom_risk, proven_fit=mem.proven_fit, predicted_oom=mem.oom,
+                          fit_proof=fit_proof, oom_dominated=oom_dominated)
 
     def observe(self, o: Outcome) -> None:
         """Learn from a launched trial: its memory evidence, and a feature the trainer refused."""
@@ -79,6 +95,10 @@ class Setting:
             return
         self._assessed.clear()
         lay, vit = self.space.layout(o.candidate), self.space.vit_checkpointing(o.candidate)
+        if o.ok:
+            self.fit_runs.append(o)
+        elif o.kind == FailureKind.OOM.value:
+            self.oom_runs.append(o)
         if o.state == "complete":
             self.memory.observe_success(lay, o.measured_gb, reserved_gb=o.reserved_gb, vit_checkpointing=vit)
         elif o.kind == FailureKind.OOM.value:
@@ -102,6 +122,7 @@ class Job(Setting):
     strategy: Strategy = field(kw_only=True)
     evaluator: Evaluator = field(kw_only=True)
     timeouts: TimeoutPolicy = field(kw_only=True)
+    max_ooms: int = field(kw_only=True, default=2)  # OOM launches the study may spend (the loop holds every strategy to it)
 
 
 @dataclass(frozen=True)
@@ -191,7 +212,8 @@ def build_job(conf: ZenithtuneConf) -> Job:
         hint = " Choose a gbs that the data-parallel sizes divide." if "gbs" in survey.removed else ""
         raise UserError(f"no valid configuration for n_gpus={conf.n_gpus}, gbs={conf.gbs}: {top}.{hint}")
     return Job(command=st.command, ctx=st.ctx, space=st.space, memory=st.memory, memory_source=st.memory_source,
-               strategy=build(conf.strategy), evaluator=build(conf.evaluator), timeouts=timeouts(conf))
+               strategy=build(conf.strategy), evaluator=build(conf.evaluator), timeouts=timeouts(conf),
+               max_ooms=conf.max_ooms)
 
 
 def space_report(setting: Setting) -> SpaceReport:

@@ -13,6 +13,7 @@ simulator in-process. Both run this same loop.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from optuna.trial import TrialState
 
 from zenithtune import record, signals
 from zenithtune import study as zstudy
-from zenithtune.assessment import MEMORY_RULE
+from zenithtune.assessment import MEMORY_RULE, OOM_DOMINATED_RULE
 from zenithtune.evaluate import below_precision
 from zenithtune.job import Job
 from zenithtune.record import Attr, Launched, Outcome
@@ -36,6 +37,10 @@ __all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "Stu
 _NOTHING_MEASURED = (FailureKind.INTERRUPTED.value, FailureKind.CANCELLED.value)
 
 LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, candidate, timeout) -> result
+# The last launches of a budget confirm the best, for a strategy that does not do it itself: a best whose
+# runner-up is within NOISE x 2 (run-to-run noise assumed, relative) and that ran once is measured again.
+CONFIRM_AT_END = 2
+NOISE = 0.03
 
 
 @dataclass
@@ -95,6 +100,11 @@ class StudyLoop:
         self.outcomes: list[Outcome] = []
         self.durations: list[float] = []  # successful trials' wall times (dynamic timeouts)
         self.waves = 0
+        # The OOM budget (`max_ooms`), whatever the strategy: past it only what is proven to fit launches
+        # (the judge keeps the runs that fit and those that ran out: `Setting.fit_runs`, `oom_runs`).
+        self.max_ooms = job.max_ooms
+        self._unproven_in_wave = 0  # launches of this wave that may run out of memory
+        self._unproven = False  # the candidate just screened is one of those
         self._known: set[int] = set()  # trial numbers the strategy has been told about
         self._open: dict[int, optuna.Trial] = {}  # asked here, not yet told
         self.retries: list[tuple[Proposal, int]] = []  # (candidate, trial) whose Slurm job was cancelled: run once more
@@ -112,7 +122,7 @@ class StudyLoop:
     def _learn(self, o: Outcome) -> None:
         self.job.observe(o)  # the judge learns (memory, refused features) before the strategy is told
         if o.launched:
-            self.measured[self.job.space.key(o.candidate)] = o
+            self.measured.setdefault(self.job.space.key(o.candidate), o)  # a repeat names the first
             if o.ok and o.duration:
                 self.durations.append(float(o.duration))
 
@@ -164,12 +174,20 @@ class StudyLoop:
                         f"precision), as every candidate would: rerun with evaluator=iteration_time, which scores by "
                         f"'elapsed time per iteration' (the same ranking at a fixed model and gbs)")
             wave: list[Pending] = []
+            self._unproven_in_wave = 0
             exhausted = False
             stop: str | None = None
             width = 1 if strategy.sequential else self.parallel
             while len(wave) < min(width, n_trials - used):
-                # a cancelled Slurm trial's retry first; the next ask proposes something else than the wave
-                proposal, retry_of = self.retries.pop(0) if self.retries else (strategy.ask([p.cand for p in wave]), None)
+                # a cancelled Slurm trial's retry first; then a confirmation the loop owes the budget's end;
+                # then the strategy (the next ask proposes something else than the wave)
+                proposal: Proposal | None
+                retry_of: int | None = None
+                if self.retries:
+                    proposal, retry_of = self.retries.pop(0)
+                else:
+                    proposal = self._confirmation(n_trials - used - len(wave), wave) or \
+                        strategy.ask([p.cand for p in wave])
                 if proposal is None:
                     exhausted = True
                     break
@@ -197,16 +215,44 @@ class StudyLoop:
                 trial.set_user_attr(Attr.LAUNCHED, True)
                 if retry_of is not None:
                     trial.set_user_attr(Attr.RETRY_OF, retry_of)
+                self._unproven_in_wave += self._unproven
                 wave.append(Pending(trial, cand, proposal, self.job.timeouts.limit(self.durations),
                                     n=used + len(wave) + 1))
             if not wave:
-                if exhausted or stop:
-                    return stop or "strategy exhausted"
+                if stop:
+                    return stop
+                if exhausted:
+                    why = strategy.stop_reason
+                    return f"strategy exhausted: {why}" if why else "strategy exhausted"
                 continue
             launched += len(wave)
             self._launch_wave(wave)  # an exhausted strategy may have more to say once it knows the results
             if stop:
                 return stop
+
+    def _confirmation(self, left: int, wave: list[Pending]) -> Proposal | None:
+        """With CONFIRM_AT_END launches left, for a strategy that does not confirm its best itself
+        (`Strategy.confirms_best`): the best or the runner-up measured again when they are within the
+        noise and it ran once, so one lucky run does not decide the study."""
+        if left > CONFIRM_AT_END or self.job.strategy.confirms_best:
+            return None
+        runs: dict[tuple, list[Outcome]] = {}
+        for o in self.outcomes:
+            if o.launched and o.ok:
+                runs.setdefault(self.job.space.key(o.candidate), []).append(o)
+        in_wave = [self.job.space.key(p.cand) for p in wave]
+        sign = 1.0 if self.job.evaluator.direction == "maximize" else -1.0
+        med = {k: sign * statistics.median(float(o.value or 0.0) for o in g) for k, g in runs.items()}
+        ranked = sorted(med, key=lambda k: -med[k])[:2]
+        if len(ranked) < 2 or abs(med[ranked[0]] - med[ranked[1]]) > 2 * NOISE * abs(med[ranked[0]]):
+            return None
+        for k in ranked:
+            if len(runs[k]) + in_wave.count(k) < 2:
+                first = runs[k][0]
+                return Proposal(dict(first.candidate), repeat=True, stage="confirm",
+                                why=f"confirm (noise): the best two are within {200 * NOISE:.0f} %; trial "
+                                    f"{first.trial_number} measured again")
+        return None
 
     def abandon(self) -> None:
         """Close what this worker asked but did not tell (Ctrl-C, an error): launched ones are
@@ -276,14 +322,51 @@ class StudyLoop:
         broken = list(verdict.reasons)
         if broken and broken[0][0] == MEMORY_RULE and proposal.probe_memory:
             trial.set_user_attr(Attr.MEMORY_PROBE, broken[0][1])  # launched on purpose; the outcome teaches
-            broken = []
+            # ... but never past what an OOM proves
+            broken = [(OOM_DOMINATED_RULE, verdict.oom_dominated)] if verdict.oom_dominated else []
+        self._unproven = False
+        if not broken:
+            broken = self._oom_budget(cand)
         dup = self.measured.get(job.space.key(cand))
-        if not broken and dup is not None:
+        if not broken and dup is not None and proposal.repeat:
+            trial.set_user_attr(Attr.REPEAT_OF, dup.trial_number)  # measured again on purpose (noise)
+        elif not broken and dup is not None:
             broken = [("duplicate", f"already measured as trial {dup.trial_number}")]
             trial.set_user_attr(Attr.DUPLICATE_OF, dup.trial_number)
         if not broken:
             return None
         return self._prune(trial, cand, proposal, broken, predicted)
+
+    # --- the OOM budget, for every strategy ---------------------------------------------------------
+    def proof_of_fit(self, cand: dict) -> str | None:
+        """Why `cand` surely fits, or None: it needs no more memory than a run that fit, by structure
+        (the judge's `fit_proof`). Before any run fit, the learned memory model's 3 sd under the GPU's
+        capacity stands in (nothing else can start a study); after, not: the estimate's formulas may not
+        be the trainer's (activations growing faster than the micro-batch, experts that TP does not
+        split), and a memory model fitted to them can be confidently wrong."""
+        a = self.job.assess(cand)
+        if a.fit_proof is not None:
+            return a.fit_proof
+        if self.job.fit_runs or a.predicted_gb is None or a.sd is None:
+            return None
+        if a.predicted_gb + 3 * a.sd <= self.job.capacity_gb:
+            return f"learned {a.predicted_gb:.0f} +- {a.sd:.1f} GB, 3 sd under {self.job.capacity_gb:g} GB"
+        return None
+
+    def _oom_budget(self, cand: dict) -> list[tuple[str, str]]:
+        """The study's OOM budget, whatever the strategy: once `max_ooms` launches ran out of memory
+        (counting this wave's launches not proven to fit), only what `proof_of_fit` proves fits is
+        launched. (What an OOM proves, `oom_dominated`, is among the judge's reasons already.)"""
+        if self.proof_of_fit(cand) is not None:
+            return []
+        ooms = len(self.job.oom_runs)
+        if ooms + self._unproven_in_wave >= self.max_ooms:
+            gb = self.job.assess(cand).predicted_gb
+            est = "" if gb is None else f" (predicted {gb:.0f} GB)"
+            return [("oom_budget", f"the study spent its max_ooms={self.max_ooms} launches that may run out of "
+                                   f"memory ({ooms} ran out); this candidate{est} is not proven to fit")]
+        self._unproven = True
+        return []
 
     def _prune(self, trial: optuna.Trial, cand: dict, proposal: Proposal, broken: list[tuple[str, str]],
                predicted: float | None) -> Outcome:
@@ -295,7 +378,10 @@ class StudyLoop:
         return outcome
 
     def _claim(self, trial: optuna.Trial, cand: dict, proposal: Proposal) -> Outcome | None:
-        """Claim the candidate for this trial in the storage; a duplicate outcome if another holds it."""
+        """Claim the candidate for this trial in the storage; a duplicate outcome if another holds it.
+        A repeat is launched under the claim its first measurement holds."""
+        if proposal.repeat and Attr.REPEAT_OF in trial.user_attrs:
+            return None
         held = self.claims.claim(zstudy.claim_key(self.job.space.key(cand)), trial.number, self._measured_nothing)
         if held is None or held == trial.number:
             return None
@@ -363,6 +449,7 @@ class StudyLoop:
         return Outcome(candidate=p.cand, state="failed", launched=True, trial_number=p.number,
                        predicted_gb=p.trial.user_attrs.get(Attr.PREDICTED_GB), stage=p.proposal.stage,
                        probe=Attr.MEMORY_PROBE in p.trial.user_attrs, why=p.proposal.why,
+                       repeat_of=p.trial.user_attrs.get(Attr.REPEAT_OF),
                        timeout=None if p.limit is None else round(p.limit, 1))
 
     def _record(self, p: Pending, res: Launched, started: float) -> Outcome:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import statistics
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -57,6 +58,7 @@ class Attr:
     SLURM_JOBS = "slurm_jobs"  # list of str: the Slurm job ids that ran it (zenithtune.slurm)
     RETRY_OF = "retry_of"  # the trial (cancelled under it) whose candidate this one runs again
     RECOVERED_FROM = "recovered_from"  # the dead tuner's trial whose finished Slurm job this one records
+    REPEAT_OF = "repeat_of"  # a measured candidate launched again (noise): the trial it repeats
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Outcome:
     trial_number: int | None = None
     stage: str | None = None
     probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
+    repeat_of: int | None = None  # a repeated measurement of this trial's candidate (Proposal.repeat)
     why: str = ""  # the strategy's reason for proposing it
     argv: list[str] | None = None
     env: dict[str, str] | None = None
@@ -172,6 +175,7 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         predicted_gb=_amount(a.get(Attr.PREDICTED_GB)), measured_gb=_amount(a.get(Attr.MEASURED_GB)),
         reserved_gb=_amount(a.get(Attr.RESERVED_GB)), needed_gb=_amount(a.get(Attr.NEEDED_GB)), trial_number=t.number,
         stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
+        repeat_of=a.get(Attr.REPEAT_OF) if isinstance(a.get(Attr.REPEAT_OF), int) else None,
         argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT),
         started=t.datetime_start, finished=t.datetime_complete)
 
@@ -249,3 +253,23 @@ def kind_counts(outcomes: Iterable[Outcome]) -> Counter[str]:
 def budget_used(outcomes: Iterable[Outcome]) -> int:
     """Launched trials that count against n_trials."""
     return sum(1 for o in outcomes if o.counts)
+
+
+def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:
+    """The complete outcome of the candidate with the best median score. A candidate measured several
+    times (`Proposal.repeat`) counts once, at the median of its scores: returned as its measurement
+    nearest that median, carrying the median as its value."""
+    groups: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        if o.ok:
+            groups.setdefault(json.dumps(o.candidate, sort_keys=True, default=str), []).append(o)
+    if not groups:
+        return None
+    sign = 1.0 if direction == "maximize" else -1.0
+    medians = {k: statistics.median(float(o.value) for o in g) for k, g in groups.items()}  # type: ignore[arg-type]
+    key = max(groups, key=lambda k: sign * medians[k])
+    group, median = groups[key], medians[key]
+    if len(group) == 1:
+        return group[0]
+    nearest = min(group, key=lambda o: abs(float(o.value) - median))  # type: ignore[arg-type]
+    return replace(nearest, value=median)

@@ -57,6 +57,7 @@ class ZenithtuneConf:
     # --- the study
     n_trials: int = MISSING  # launched trials at most
     fail_fast: int = MISSING  # stop when the first N launches all fail; 0 = never
+    max_ooms: int = 2  # launches that may run out of memory per study; then only proven fits
     stage1_trials: int = MISSING  # staged_blackbox: launches on the layout before stage 2
     timeout: Optional[float] = None  # seconds per trial; None = no limit
     timeout_dynamic: bool = MISSING  # derive each trial's limit from the fastest success
@@ -189,6 +190,7 @@ def check(conf: ZenithtuneConf) -> None:
     _positive(conf, "gpus_per_node", "gpus_per_node=8")
     _positive(conf, "n_trials", "n_trials=50")
     _positive(conf, "fail_fast", "fail_fast=5", zero_ok=True)
+    _positive(conf, "max_ooms", "max_ooms=2", zero_ok=True)
     _positive(conf, "stage1_trials", "stage1_trials=30")
     _positive(conf, "parallel_trials", "parallel_trials=4")
     _positive(conf, "heartbeat_interval", "heartbeat_interval=10")

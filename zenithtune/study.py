@@ -523,11 +523,8 @@ class Claims:
 
 
 def best(outcomes: list[Outcome], direction: str) -> Outcome | None:
-    done = [o for o in outcomes if o.ok and o.launched]
-    if not done:
-        return None
-    pick = max if direction == "maximize" else min
-    return pick(done, key=lambda o: o.value)  # type: ignore[arg-type, return-value]
+    """The best launched candidate by the median of its measurements (repeats: `Proposal.repeat`)."""
+    return record.best_of([o for o in outcomes if o.launched], direction)
 
 
 def best_trial(study: optuna.Study) -> Outcome | None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from zenithtune.record import Outcome
+from zenithtune.record import Outcome, best_of
 
 if TYPE_CHECKING:
     import optuna
@@ -57,6 +57,10 @@ class Proposal:
     # estimate at its edge (the fastest layouts often use 95+ % of the GPU, where an estimate that
     # must never miss an OOM is a few GB pessimistic). Megatron's structural rules still apply.
     probe_memory: bool = False
+    # Measure an already measured candidate again (noise): the loop launches it although it ran, records
+    # it as a repeat, and a candidate's score is then the median of its measurements (`Strategy.best`).
+    # A repeat is a launch: it counts against n_trials.
+    repeat: bool = False
 
 
 class Strategy(ABC):
@@ -68,6 +72,11 @@ class Strategy(ABC):
     # An exhaustive strategy proposes each candidate once and ends by itself: the study loop never stops
     # it for proposals it could not launch (a sampler may repeat; an exhaustive one must mean all).
     exhaustive: bool = False
+    # Why ask() returned None, in a few words for the study's footer ("nothing left could beat ...").
+    stop_reason: str = ""
+    # True: the strategy measures its best again itself when noise could have decided it (repeats);
+    # False: the study loop spends the budget's last launches on that (loop.CONFIRM_AT_END).
+    confirms_best: bool = False
     judge: Judge
     space: Space
     ctx: Context
@@ -98,11 +107,14 @@ class Strategy(ABC):
         return a > b if self.direction == "maximize" else a < b
 
     def best(self) -> Outcome | None:
-        done = [o for o in self.history if o.ok]
-        if not done:
-            return None
-        pick = max if self.direction == "maximize" else min
-        return pick(done, key=lambda o: float(o.value or 0.0))  # `done` holds complete trials only
+        """The best measured candidate, by the median of its measurements (one per launch: repeats
+        are launches of the same candidate); its outcome nearest that median."""
+        return best_of(self.history, self.direction)
+
+    def measurements(self, cand: Candidate) -> list[float]:
+        """Every score measured for this candidate (several when repeated), in launch order."""
+        key = self.space.key(cand)
+        return [float(o.value) for o in self.history if o.ok and self.space.key(o.candidate) == key]  # type: ignore[arg-type]
 
     def tried_keys(self, pending: Sequence[Candidate] = ()) -> set[tuple]:
         """Keys of every candidate told (launched or not) or pending in the current wave."""

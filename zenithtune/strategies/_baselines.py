@@ -34,8 +34,9 @@ class TPEStrategy(Strategy):
         # valid candidates already measured or screened for memory/duplication; structural rejects
         # are not part of walk() and do not count
         seen = {self.space.key(o.candidate) for o in self.history
-                if o.launched or set(o.rules) <= {"predicted_oom", "duplicate"}}
+                if o.launched or set(o.rules) <= {"predicted_oom", "duplicate", "oom_dominated", "oom_budget"}}
         if len(seen) >= self._valid:
+            self.stop_reason = "every valid candidate was measured or screened"
             return None
         return Proposal({}, why="tpe")
 
@@ -64,6 +65,8 @@ class UpstreamStrategy(Strategy):
         if self._plan is None:
             self._plan = self._steps()
         proposal = next(self._plan, None)
+        if proposal is None:
+            self.stop_reason = "its TP x EP plan and MBS ladders are done"
         self._asked = None if proposal is None else self.space.key(proposal.fixed)
         return proposal
 

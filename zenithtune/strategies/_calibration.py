@@ -73,11 +73,11 @@ class Residual:
         same = (self._lay[i][:, None] == self._lay[j][None, :]).astype(float)
         return LEVEL_SD ** 2 + scale ** 2 * (lin + LAYOUT_SD ** 2 * same)
 
-    def _fit(self, m: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    def _fit(self, m: np.ndarray, y: np.ndarray, noise: float) -> tuple[float, np.ndarray, np.ndarray]:
         """(scale, Cholesky factor, alpha) for the scale with the largest marginal likelihood."""
         best = None
         for scale in TRUST_SCALES:
-            K = self._k(m, m, scale) + NOISE_SD ** 2 * np.eye(len(m))
+            K = self._k(m, m, scale) + noise ** 2 * np.eye(len(m))
             L = np.linalg.cholesky(K)
             alpha = np.linalg.solve(L.T, np.linalg.solve(L, y))
             loglik = -0.5 * float(y @ alpha) - float(np.log(np.diag(L)).sum())
@@ -86,15 +86,16 @@ class Residual:
         assert best is not None
         return best[1], best[2], best[3]
 
-    def predict(self, measured: Sequence[int], values: Sequence[float],
-                at: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-        """(mean, sd, trust scale) of r at candidate indices `at`, given r(measured[i]) = values[i]."""
+    def predict(self, measured: Sequence[int], values: Sequence[float], at: np.ndarray, *,
+                noise: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+        """(mean, sd, trust scale) of r at candidate indices `at`, given r(measured[i]) = values[i];
+        `noise`: the run-to-run noise (relative sd) when it is larger than NOISE_SD."""
         if not len(measured):
             diag = LEVEL_SD ** 2 + (self._phi[at] ** 2 * self._w).sum(axis=1) + LAYOUT_SD ** 2
             return np.zeros(len(at)), np.sqrt(diag), 1.0
         m = np.asarray(measured, dtype=int)
         y = np.asarray(values, dtype=float)
-        scale, L, alpha = self._fit(m, y)
+        scale, L, alpha = self._fit(m, y, max(NOISE_SD, noise or 0.0))
         diag = LEVEL_SD ** 2 + scale ** 2 * ((self._phi[at] ** 2 * self._w).sum(axis=1) + LAYOUT_SD ** 2)
         Ks = self._k(at, m, scale)
         v = np.linalg.solve(L, Ks.T)

@@ -29,4 +29,5 @@ class GridStrategy(Strategy):
             cand = self._queue.pop(0)
             if not self.tried(cand, pending):
                 return Proposal(cand, why="grid")
+        self.stop_reason = "every valid candidate was proposed"
         return None

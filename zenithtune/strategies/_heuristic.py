@@ -24,19 +24,30 @@ How it chooses (each launch says which of these made it):
    the probability the study's learned memory model gives it of not fitting. Never launched: what the
    memory model screens (or `fit` excludes); the same layout and recompute at an MBS at least as large
    as one that ran out of memory; after an OOM, anything carrying more than `oom_risk` of running out,
-   and after `max_ooms` OOMs, more than RISK_DONE (so a study spends at most about `max_ooms`); a
+   and after `max_ooms` OOMs, anything a run that fit does not prove fits (dominance.py; the study
+   loop enforces the same cap for every strategy); a
    larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
    crashed. When nothing the screen allows could beat the best, one budgeted memory probe
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
    among those the learned memory model gives at most `probe_risk` of running out.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster.
-6. Exhausted when nothing left could beat the best: ask() returns None.
+6. Noise: a candidate measured more than once counts at the median of its measurements. Within
+   `repeats` launches, a result that would steer the search on one measurement is measured again
+   first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
+   predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
+   measurements that disagree (a third decides); and before stopping, a best whose runner-up is
+   within twice the noise. The noise is `noise` until repeats of three candidates measure it.
+7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
+   (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
+   so the search explores layouts it has not measured. Exhausted when no unmeasured candidate could
+   still beat the best: ask() returns None and `stop_reason` says why (the study's footer shows it).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -51,6 +62,10 @@ if TYPE_CHECKING:
     from zenithtune.assessment import Judge
 
 RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `max_ooms`
+# Kendall's tau between the prior's ranking and the measured one below which every prediction's
+# uncertainty widens (by 1 + the shortfall: tau 0 -> x1.5, reversed -> x2.5)
+CONTRADICTED = 0.5
+UNANCHORED_SD = 0.1  # the doubt (log) on a prediction made only from the prior at the others' level
 
 
 def _lay(c: dict) -> tuple:
@@ -63,10 +78,11 @@ def _rec(c: dict) -> tuple:
 
 
 class HeuristicStrategy(Strategy):
+    confirms_best = True  # its repeats (`repeats`) confirm a best the noise could have decided
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
-                 oom_risk: float = 0.5, probe_risk: float = 0.95):
+                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 5, noise: float = 0.02):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -95,6 +111,15 @@ class HeuristicStrategy(Strategy):
         # once it has seen `max_ooms`, only what is all but certain to fit (RISK_DONE) is launched.
         self.max_ooms = int(max_ooms)
         self.oom_risk = float(oom_risk)
+        if repeats < 0 or not 0 <= noise < 0.5:
+            raise ValueError(f"repeats={repeats} (>= 0) or noise={noise} (0..0.5, 0.02: runs of one candidate "
+                             f"differ by about 2 %) is out of range")
+        # Launches a study may spend measuring a candidate again: a result that reverses a ladder or lands
+        # far from its prediction, and a best whose runner-up is within the noise (each counts as a launch).
+        self.repeats = int(repeats)
+        self.noise = float(noise)  # run-to-run noise assumed until repeats measure it (relative sd)
+        self._predicted: dict[tuple, tuple[float, float]] = {}  # key -> (predicted rate, log sd) when proposed
+        self._pending: list[dict] = []  # this wave's proposals not yet told (ask's `pending`)
 
     # --- the pool -----------------------------------------------------------------------------------
     def setup(self, judge: Judge, history: list[Outcome], direction: Literal["maximize", "minimize"] = "maximize",
@@ -114,6 +139,7 @@ class HeuristicStrategy(Strategy):
         self._speed_model = SpeedModel(self._pool, model=ctx.model, n_gpus=ctx.n_gpus, gbs=ctx.gbs,
                                        gpus_per_node=ctx.gpus_per_node)
         self._prior = self._speed_model.prior
+        self._prior0 = self._prior.copy()  # as written, before any measurement: its ranking is tested
         self._residual = Residual(self._pool, gpus_per_node=ctx.gpus_per_node, n_gpus=ctx.n_gpus,
                                   num_layers=ctx.model.num_layers or 32)
 
@@ -156,12 +182,12 @@ class HeuristicStrategy(Strategy):
         ooms = sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
-            if ooms >= self.max_ooms and not a.proven_fit:
-                # budget spent: nothing the learned model puts above the largest run that fit
-                ran = [g for o in self.history if o.ok and (g := self.judge.assess(o.candidate).predicted_gb) is not None]
-                if ran and gb > max(ran) + 1e-9:
-                    return False, (f"{gb:.0f}/{cap:g} GB, above the largest run that fit ({max(ran):.0f} GB) "
-                                   f"after {ooms} OOM")
+            if ooms >= self.max_ooms and any(o.ok for o in self.history):
+                # budget spent: only what a run that fit proves fits, by structure (the study loop's rule)
+                if a.fit_proof is None:
+                    return False, (f"{gb:.0f}/{cap:g} GB, not proven to fit by a run that fit after {ooms} OOM "
+                                   f"(max_ooms={self.max_ooms})")
+                return True, f"{gb:.0f}/{cap:g} GB, {a.fit_proof}"
             risk = a.oom_risk
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
@@ -185,8 +211,9 @@ class HeuristicStrategy(Strategy):
         tuner in a resumed study) carries no information about speed and must not crash the fit."""
         return o.ok and math.isfinite(float(o.value)) and float(o.value) > 0  # type: ignore[arg-type]
 
-    def _ruled_out(self, c: dict) -> str | None:
-        """Why measurements rule this candidate out, or None."""
+    def _ruled_out(self, c: dict, reps: dict[tuple, Outcome]) -> str | None:
+        """Why measurements rule this candidate out, or None (`reps`: one outcome per measured candidate,
+        at its median)."""
         lay, rec, mbs = _lay(c), _rec(c), c.get("mbs", 1)
         for o in self.history:
             oc = o.candidate
@@ -198,10 +225,12 @@ class HeuristicStrategy(Strategy):
                     c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
                     c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing"):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
+        bad = self.judge.assess(c).oom_dominated
+        if bad is not None:  # the study loop would not launch it either
+            return bad
         # dominance along the ladders of one layout: a larger MBS (same recompute) or more block
         # layers (same MBS) that already lost against a smaller one is not pushed further
-        runs = {self.space.key(o.candidate): o for o in self.history if self._usable(o) and _lay(o.candidate) == lay}
-        same = [o for o in runs.values() if _rec(o.candidate) == rec]
+        same = [o for o in reps.values() if _lay(o.candidate) == lay and _rec(o.candidate) == rec]
         for a in same:
             for b in same:
                 ab, bb = a.candidate.get("mbs", 1), b.candidate.get("mbs", 1)
@@ -216,13 +245,17 @@ class HeuristicStrategy(Strategy):
 
     # --- proposing ----------------------------------------------------------------------------------
     def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
+        self.stop_reason = ""
+        self._pending = list(pending)
         tried = self.tried_keys(pending)  # told, or pending in this wave (parallel_trials): the next best
-        ok = [o for o in self.history if self._usable(o)]
+        reps = self._reps()  # one outcome per measured candidate, at the median of its measurements
+        ok = list(reps.values())
         if not ok:
             return self._first(tried)
         best = max(ok, key=self._speed)
         target = self._speed(best)
-        rates = [(self._index[k], math.log(self._speed(o))) for o in ok if (k := self.space.key(o.candidate)) in self._index]
+        noise = self._noise_sd()
+        rates = [(self._index[k], math.log(self._speed(o))) for k, o in reps.items() if k in self._index]
         # what each component of the iteration costs here (EP all-to-all, pipeline bubble, ...): learned
         # from every run, it re-orders the pool's prior; the residual corrects what it cannot express
         tflops = self.metric.startswith("TFLOP/s")
@@ -231,17 +264,27 @@ class HeuristicStrategy(Strategy):
         learned = self._speed_model.learned()
         learned = f"; {learned} learned" if learned else ""
         measured = [(i, v - math.log(self._prior[i])) for i, v in rates]
+        again = self._surprise(reps, target, noise)
+        if again is not None:
+            return again
         at = np.array([i for i, k in enumerate(self._keys) if k not in tried], dtype=int)
         if not len(at):
-            return None
+            return self._confirm(reps, best, noise, "every candidate of the pool was measured")
         # The prior is in model TFLOP/s/GPU. Scored in another unit (s/it, samples/s, a regex's number),
         # the residuals share one large offset, the unit conversion: take it out before the correction
         # is learned (whose shrinkage toward the prior would otherwise predict nonsense) and put it back.
         offset = 0.0 if tflops else float(np.mean([r for _, r in measured]))
-        mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at)
+        mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at,
+                                                 noise=noise)
         mean = mean + offset
         if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
             sd = np.sqrt(sd ** 2 + self._speed_model.sd[at] ** 2)
+        # measurements that contradict the prior's ranking (not only its scale) make every prediction
+        # less certain, so the search explores what it has not measured instead of trusting the prior
+        tau = self._agreement(reps)
+        widen = 1.0 + max(0.0, CONTRADICTED - tau)
+        sd = sd * widen
+        contradicted = f"; prior's ranking contradicted (tau {tau:+.2f}), uncertainty x{widen:.1f}" if widen > 1 else ""
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         probe = None
@@ -252,9 +295,11 @@ class HeuristicStrategy(Strategy):
         risk = np.array([self.judge.assess(self._pool[at[j]]).oom_risk for j in hopeful])
         risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
         order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
+        ruled = unfit = 0
         for j in order:
             cand = self._pool[at[j]]
-            if self._ruled_out(cand):
+            if self._ruled_out(cand, reps):
+                ruled += 1
                 continue
             fits, mem = self._fits(cand, self.fit)
             # in the metric's own unit: the prior after the unit change (offset), times what the runs taught
@@ -263,10 +308,12 @@ class HeuristicStrategy(Strategy):
             why = (f"{self._role(cand, best.candidate)}: predicted {self._shown(pred[j])} +-{100 * sd[j]:.0f}% "
                    f"(prior {self._shown(self._prior[at[j]] * math.exp(offset))} {self.metric} x {scale} "
                    f"learned from {len(measured)} run{'' if len(measured) == 1 else 's'}"
-                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}{learned}) could beat best "
+                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}{learned}{contradicted}) could beat best "
                    f"{self._shown(target)}")
             if fits:
+                self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
                 return Proposal(dict(cand), why=f"{why}; {mem}")
+            unfit += 1
             r = max(risk_of[int(j)], 0.01)
             if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
                 # the probe worth most: expected gain per risk of running out of memory
@@ -275,7 +322,137 @@ class HeuristicStrategy(Strategy):
                     probe = (worth, Proposal(dict(cand), probe_memory=True,
                                              why=f"memory probe: {why}, though {mem}; {100 * r:.0f} % risk of "
                                                  f"running out of memory for the best expected gain per risk"))
-        return self._granularity_check(best, tried) or (probe[1] if probe else None)
+        found = self._granularity_check(best, tried, reps) or (probe[1] if probe else None)
+        if found is not None:
+            return found
+        chance = 100 * 0.5 * math.erfc(self.kappa / math.sqrt(2))
+        if not len(hopeful):
+            why = (f"no unmeasured candidate has a {chance:.0f} % chance to beat the best "
+                   f"({self._shown(target)}) by {100 * self.min_gain:g} %")
+        else:
+            why = (f"{len(hopeful)} candidates could beat the best by {100 * self.min_gain:g} %, but "
+                   + ", ".join(p for p in (f"{ruled} are ruled out by measured runs" if ruled else "",
+                                           f"{unfit} are not launchable (memory)" if unfit else "") if p))
+        return self._confirm(reps, best, noise, why)
+
+    # --- noise: repeats -----------------------------------------------------------------------------
+    def _reps(self) -> dict[tuple, Outcome]:
+        """One outcome per measured candidate, in the order the candidates were first measured; one
+        measured more than once carries the median of its usable measurements as its value."""
+        groups: dict[tuple, list[Outcome]] = {}
+        for o in self.history:
+            if self._usable(o):
+                groups.setdefault(self.space.key(o.candidate), []).append(o)
+        return {k: g[0] if len(g) == 1 else replace(g[-1], value=float(np.median([float(o.value) for o in g])))  # type: ignore[arg-type]
+                for k, g in groups.items()}
+
+    def _counts(self) -> dict[tuple, int]:
+        counts: dict[tuple, int] = {}
+        for o in self.history:
+            if o.launched:
+                k = self.space.key(o.candidate)
+                counts[k] = counts.get(k, 0) + 1
+        for c in self._pending:
+            counts[self.space.key(c)] = counts.get(self.space.key(c), 0) + 1
+        return counts
+
+    def _noise_sd(self) -> float:
+        """Run-to-run noise as a relative sd: measured where at least three candidates were repeated
+        (the median of their spreads, so a pair holding one outlier does not make every result noise),
+        else the assumed `noise`."""
+        groups: dict[tuple, list[float]] = {}
+        for o in self.history:
+            if self._usable(o):
+                groups.setdefault(self.space.key(o.candidate), []).append(math.log(self._speed(o)))
+        spreads = [float(np.std(v, ddof=1)) for v in groups.values() if len(v) >= 2]
+        if len(spreads) < 3:
+            return self.noise
+        return max(self.noise / 2, float(np.median(spreads)))
+
+    def _repeats_left(self) -> int:
+        return self.repeats - sum(1 for o in self.history if o.launched and o.repeat_of is not None)
+
+    def _again(self, o: Outcome, why: str) -> Proposal:
+        return Proposal(dict(o.candidate), why=f"measure again (noise): {why}", repeat=True)
+
+    def _surprise(self, reps: dict[tuple, Outcome], target: float, noise: float) -> Proposal | None:
+        """A result that would steer the search on one measurement: far from its prediction (a slow
+        outlier hides what could beat the best, a fast one crowns a loser) or reversing a micro-batch
+        ladder (which ends it) is measured again first, within the `repeats` budget."""
+        if self._repeats_left() <= 0:
+            return None
+        counts = self._counts()
+        for k, o in reversed(list(reps.items())):
+            values = [self._speed(h) for h in self.history if self._usable(h) and self.space.key(h.candidate) == k]
+            if len(values) == 2 and counts.get(k, 0) == 2 and abs(math.log(values[0] / values[1])) > 3 * noise and \
+                    max(values) >= target * (1 - 3 * noise):
+                return self._again(o, f"its two measurements {self._shown(values[0])} and {self._shown(values[1])} "
+                                      f"disagree beyond the noise ({100 * noise:.1f} %): a third decides")
+            if counts.get(k, 0) > 1:
+                continue
+            speed, pr = self._speed(o), self._predicted.get(k)
+            if pr is None and k in self._index and len(reps) >= 3:
+                # launched without a prediction (the first run): the prior at the level the others show
+                others = [math.log(self._speed(r) / self._prior0[self._index[kk]]) for kk, r in reps.items()
+                          if kk != k and kk in self._index]
+                pr = (float(self._prior0[self._index[k]] * math.exp(float(np.median(others)))), UNANCHORED_SD)
+            if pr is not None:
+                off = math.log(speed / pr[0])
+                steers = speed >= target * (1 - 3 * noise) or pr[0] * math.exp(self.kappa * pr[1]) > target
+                if steers and abs(off) > max(3 * noise, 2 * pr[1]):
+                    return self._again(o, f"trial {o.trial_number} measured {self._shown(speed)}, "
+                                          f"{100 * off:+.0f} % from its prediction {self._shown(pr[0])}")
+            smaller = [r for kk, r in reps.items() if kk != k and self._ladder(r.candidate) == self._ladder(o.candidate)
+                       and r.candidate.get("mbs", 1) < o.candidate.get("mbs", 1)]
+            lost = [r for r in smaller if self._speed(r) > speed]
+            if lost and max(self._speed(r) for r in lost) >= target * 0.95:
+                r = max(lost, key=self._speed)
+                return self._again(o, f"mbs {o.candidate.get('mbs')} (trial {o.trial_number}) came back slower "
+                                      f"than mbs {r.candidate.get('mbs')} (trial {r.trial_number}), which ends "
+                                      f"its ladder")
+        return None
+
+    def _confirm(self, reps: dict[tuple, Outcome], best: Outcome, noise: float, why: str) -> Proposal | None:
+        """Before stopping: when the runner-up is within the noise of the best, the one measured fewer
+        times is measured again (within `repeats`); else stop, saying why."""
+        counts = self._counts()
+        others = [o for k, o in reps.items() if o is not best]
+        if others and self._repeats_left() > 0:
+            runner = max(others, key=self._speed)
+            gap = self._speed(best) / self._speed(runner) - 1
+            if gap < 2 * noise:
+                for o in (best, runner):
+                    if counts.get(self.space.key(o.candidate), 0) < 2:
+                        return self._again(o, f"the best (trial {best.trial_number}) and the runner-up (trial "
+                                              f"{runner.trial_number}) are {100 * gap:.1f} % apart, within "
+                                              f"the noise ({100 * noise:.1f} %)")
+        self.stop_reason = why
+        return None
+
+    @staticmethod
+    def _ladder(c: dict) -> tuple:
+        """What a micro-batch ladder keeps fixed: layout, recompute, ViT checkpointing."""
+        return (_lay(c), _rec(c), c.get("recompute_num_layers"), c.get("vit_gradient_checkpointing"))
+
+    def _agreement(self, reps: dict[tuple, Outcome]) -> float:
+        """How far the measurements agree with the prior's ranking: Kendall's tau over the pairs of
+        measured candidates that the prior ranks clearly (> 5 % apart) and the measurements too (beyond
+        twice the noise); 1 while fewer than 4 such pairs exist."""
+        noise = self._noise_sd()
+        pts = [(self._prior0[self._index[k]], self._speed(o)) for k, o in reps.items() if k in self._index]
+        agree = disagree = 0
+        for i in range(len(pts)):
+            for j in range(i + 1, len(pts)):
+                (pa, ma), (pb, mb) = pts[i], pts[j]
+                if abs(math.log(pa / pb)) < 0.05 or abs(math.log(ma / mb)) < 2 * noise:
+                    continue
+                if (pa > pb) == (ma > mb):
+                    agree += 1
+                else:
+                    disagree += 1
+        if agree + disagree < 4:
+            return 1.0
+        return (agree - disagree) / (agree + disagree)
 
     def _probe_ok(self, c: dict) -> bool:
         """May this candidate, screened only by the memory estimate, be launched as a probe? Once per
@@ -292,7 +469,7 @@ class HeuristicStrategy(Strategy):
     def _first(self, tried: set[tuple]) -> Proposal | None:
         for i in np.argsort(-self._prior, kind="stable"):
             cand = self._pool[i]
-            if self._keys[i] in tried or self._ruled_out(cand):
+            if self._keys[i] in tried or self._ruled_out(cand, {}):
                 continue
             fits, mem = self._fits(cand, self.first_fit)
             if fits:
@@ -302,7 +479,7 @@ class HeuristicStrategy(Strategy):
         # 7 GPUs): rather than give up while valid candidates remain, start with the one predicted to
         # need the least memory among those the study's screen lets through.
         fallback = [(self.judge.assess(c).predicted_gb or 0.0, i) for i, c in enumerate(self._pool)
-                    if self._keys[i] not in tried and not self._ruled_out(c) and self._fits(c, None)[0]]
+                    if self._keys[i] not in tried and not self._ruled_out(c, {}) and self._fits(c, None)[0]]
         if fallback:
             gb, i = min(fallback)
             cand = self._pool[i]
@@ -310,7 +487,7 @@ class HeuristicStrategy(Strategy):
                             f"memory, so the least memory ({gb:.0f} GB) of what may fit; {self._layout_note(cand)}")
         return None
 
-    def _granularity_check(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
+    def _granularity_check(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome]) -> Proposal | None:
         """Test, don't assume: the best layout is also measured with full recompute when it won without
         it, and without full recompute when it won with it (some trainers make full the faster)."""
         if not self.test_both_granularities:
@@ -324,7 +501,7 @@ class HeuristicStrategy(Strategy):
                    and (c.get("recompute_granularity") == "full") != full and c.get("mbs") == b.get("mbs")]
         for i in sorted(options, key=lambda i: -self._prior[i]):
             cand = self._pool[i]
-            if self._ruled_out(cand) or not self._fits(cand, self.fit)[0]:
+            if self._ruled_out(cand, reps) or not self._fits(cand, self.fit)[0]:
                 continue
             return Proposal(dict(cand), why=f"test, don't assume: recompute {_rec_desc(cand)} on the best layout "
                             f"(trial {best.trial_number} won with {_rec_desc(b)})")

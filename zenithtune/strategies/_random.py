@@ -20,4 +20,5 @@ class RandomStrategy(Strategy):
             cand = self._queue.pop()
             if not self.tried(cand, pending):
                 return Proposal(cand, why="random")
+        self.stop_reason = "every valid candidate was proposed"
         return None

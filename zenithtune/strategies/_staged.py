@@ -359,6 +359,7 @@ class StagedBlackboxStrategy(Strategy):
         ranked = sorted(((lay, o) for lay, o in self._best.items() if self._untried(lay)),
                         key=lambda kv: self.rate(float(kv[1].value)), reverse=True)  # type: ignore[arg-type]
         if not ranked:
+            self.stop_reason = "every setting of every measured layout was tried"
             return None
         top = ranked[: self.top_layouts]
         self._stage2_asked += 1
