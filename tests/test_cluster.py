@@ -281,10 +281,10 @@ def test_a_half_filled_wave_is_launched_when_the_proposals_run_dry():
 
     with initialize_config_module("zenithtune.conf"):
         job = build_job(settings.load(compose("config", overrides=["n_gpus=8", "gbs=64", "strategy=grid"])))
-    first = next(c for c in job.space.walk() if not job.screen(c))
+    first = next(c for c in job.space.walk() if job.assess(c).launchable)
 
     class Same(Strategy):
-        def ask(self) -> Proposal | None:
+        def ask(self, pending=()) -> Proposal | None:
             return Proposal(dict(first), why="the same again")
 
     job.strategy = Same()

@@ -112,7 +112,7 @@ def launched(tmp_path: Path) -> list[optuna.trial.FrozenTrial]:
     return [t for t in trials(tmp_path) if t.user_attrs.get("launched")]
 
 
-def sacct(job: str) -> dict[str, str]:
+def _sacct(job: str) -> dict[str, str]:
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State,Start,End", "-j", job],
                          capture_output=True, text=True).stdout
     for line in out.splitlines():
@@ -120,6 +120,20 @@ def sacct(job: str) -> dict[str, str]:
         if jid == job:
             return {"state": state.split()[0], "start": start, "end": end}
     return {}
+
+
+def sacct(job: str) -> dict[str, str]:
+    """An ended job's accounting record. slurmctld hands a job's end to slurmdbd on its own schedule
+    (seconds on a loaded machine), so wait until the record says how the job ended."""
+    found: dict[str, str] = {}
+
+    def ended() -> bool:
+        found.clear()
+        found.update(_sacct(job))
+        return found.get("state", "") not in ("", "PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "COMPLETING")
+
+    wait_for(ended, 60, f"the accounting to record how job {job} ended")
+    return found
 
 
 def alive(jobs: list[str]) -> list[str]:
