@@ -87,6 +87,12 @@ def test_analyze_reads_a_study_in_a_read_only_folder(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "best: trial" in r.stdout and "3 complete" in r.stdout, r.stdout[-2000:]
     assert db.read_bytes() == before
+    # with plots on: what cannot be written is one line each, the analysis itself is whole
+    r = subprocess.run([*prefix, sys.executable, "-m", "zenithtune.cli", "analyze", str(db)],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "best: trial" in r.stdout and "no report.html: cannot write" in r.stdout, r.stdout[-2000:]
+    assert not (db.parent / "report.html").exists()
 
 
 # --- items 3 and 4: a tuned file is small and holds plain values; nothing in it resolves -------------

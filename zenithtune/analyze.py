@@ -502,8 +502,13 @@ def analyze(db: str, study_name: str | None = None, plots: bool = True, show_all
         written, skipped = plot(s.outcomes, out_dir, s.metric, s.maximize, imp, how)
         say("", *[f"wrote {p}" for p in written], *[f"no {x}" for x in skipped])
         page = out_dir / "report.html"
-        say(f"wrote {page}  (one self-contained page: table, plots, best command)")
-        page.write_text(report_html(f"zenithtune study {s.study.study_name!r}", said, shown, best, s.metric, written),
-                        encoding="utf-8")
+        wrote = f"wrote {page}  (one self-contained page: table, plots, best command)"
+        html = report_html(f"zenithtune study {s.study.study_name!r}", [*said, wrote], shown, best, s.metric, written)
+        try:
+            page.write_text(html, encoding="utf-8")
+            say(wrote)
+        except OSError as e:  # a study kept in a read-only folder: everything above was still shown
+            say(f"no report.html: cannot write {page} ({e.strerror or e}); analyze a writable copy of the folder "
+                f"for the page")
     say(f"interactive view: optuna-dashboard {s.url}  (pip install optuna-dashboard)")
     return 0
