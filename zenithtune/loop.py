@@ -162,17 +162,9 @@ class StudyLoop:
             first_used = used if first_used is None else first_used
             if used >= n_trials:
                 return f"n_trials={n_trials} launched"
-            # only when this run's launches reached the k-th (a resumed study is given its chance)
-            if fail_fast and first_used < fail_fast <= used and not any(o.ok for o in self.measured.values()):
-                return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
-            metric = self.job.evaluator.metric_name
-            zero = fail_fast and not any(o.ok for o in self.measured.values()) and next(
-                (o for o in self.measured.values() if o.kind == FailureKind.BAD_METRIC.value
-                 and below_precision(" ".join(o.reasons), metric)), None)
-            if zero:  # the metric is below the printed precision for this model: it is for every candidate
-                return (f"trial {zero.trial_number} printed {metric} as 0 (below the printed "
-                        f"precision), as every candidate would: rerun with evaluator=iteration_time, which scores by "
-                        f"'elapsed time per iteration' (the same ranking at a fixed model and gbs)")
+            failing = self._failing(fail_fast, first_used, used)
+            if failing:
+                return failing
             wave: list[Pending] = []
             self._unproven_in_wave = 0
             exhausted = False
@@ -229,6 +221,22 @@ class StudyLoop:
             self._launch_wave(wave)  # an exhausted strategy may have more to say once it knows the results
             if stop:
                 return stop
+
+    def _failing(self, fail_fast: int, first_used: int, used: int) -> str | None:
+        """Why a study whose launches all failed stops now (fail_fast), or None."""
+        if not fail_fast or any(o.ok for o in self.measured.values()):
+            return None
+        # only when this run's launches reached the k-th (a resumed study is given its chance)
+        if first_used < fail_fast <= used:
+            return f"the first {fail_fast} launched trials all failed (fail_fast={fail_fast})"
+        metric = self.job.evaluator.metric_name
+        zero = next((o for o in self.measured.values() if o.kind == FailureKind.BAD_METRIC.value
+                     and below_precision(" ".join(o.reasons), metric)), None)
+        if zero:  # the metric is below the printed precision for this model: it is for every candidate
+            return (f"trial {zero.trial_number} printed {metric} as 0 (below the printed "
+                    f"precision), as every candidate would: rerun with evaluator=iteration_time, which scores by "
+                    f"'elapsed time per iteration' (the same ranking at a fixed model and gbs)")
+        return None
 
     def _confirmation(self, left: int, wave: list[Pending]) -> Proposal | None:
         """With CONFIRM_AT_END launches left, for a strategy that does not confirm its best itself

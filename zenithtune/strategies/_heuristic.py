@@ -279,12 +279,7 @@ class HeuristicStrategy(Strategy):
         mean = mean + offset
         if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
             sd = np.sqrt(sd ** 2 + self._speed_model.sd[at] ** 2)
-        # measurements that contradict the prior's ranking (not only its scale) make every prediction
-        # less certain, so the search explores what it has not measured instead of trusting the prior
-        tau = self._agreement(reps)
-        widen = 1.0 + max(0.0, CONTRADICTED - tau)
-        sd = sd * widen
-        contradicted = f"; prior's ranking contradicted (tau {tau:+.2f}), uncertainty x{widen:.1f}" if widen > 1 else ""
+        sd, contradicted = self._widened(sd, reps)
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         probe = None
@@ -325,15 +320,25 @@ class HeuristicStrategy(Strategy):
         found = self._granularity_check(best, tried, reps) or (probe[1] if probe else None)
         if found is not None:
             return found
+        return self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
+
+    def _widened(self, sd: np.ndarray, reps: dict[tuple, Outcome]) -> tuple[np.ndarray, str]:
+        """Measurements that contradict the prior's ranking (not only its scale) make every prediction
+        less certain, so the search explores what it has not measured instead of trusting the prior."""
+        tau = self._agreement(reps)
+        widen = 1.0 + max(0.0, CONTRADICTED - tau)
+        said = f"; prior's ranking contradicted (tau {tau:+.2f}), uncertainty x{widen:.1f}" if widen > 1 else ""
+        return sd * widen, said
+
+    def _nothing_left(self, hopeful: int, ruled: int, unfit: int, target: float) -> str:
+        """Why no unmeasured candidate is launched (the study's stop reason, unless a confirmation follows)."""
         chance = 100 * 0.5 * math.erfc(self.kappa / math.sqrt(2))
-        if not len(hopeful):
-            why = (f"no unmeasured candidate has a {chance:.0f} % chance to beat the best "
-                   f"({self._shown(target)}) by {100 * self.min_gain:g} %")
-        else:
-            why = (f"{len(hopeful)} candidates could beat the best by {100 * self.min_gain:g} %, but "
-                   + ", ".join(p for p in (f"{ruled} are ruled out by measured runs" if ruled else "",
-                                           f"{unfit} are not launchable (memory)" if unfit else "") if p))
-        return self._confirm(reps, best, noise, why)
+        if not hopeful:
+            return (f"no unmeasured candidate has a {chance:.0f} % chance to beat the best "
+                    f"({self._shown(target)}) by {100 * self.min_gain:g} %")
+        return (f"{hopeful} candidates could beat the best by {100 * self.min_gain:g} %, but "
+                + ", ".join(p for p in (f"{ruled} are ruled out by measured runs" if ruled else "",
+                                        f"{unfit} are not launchable (memory)" if unfit else "") if p))
 
     # --- noise: repeats -----------------------------------------------------------------------------
     def _reps(self) -> dict[tuple, Outcome]:
