@@ -18,6 +18,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from fixtures.waiting import wait_for  # tests/ is on sys.path under pytest
 from optuna.trial import TrialState
 
 from zenithtune import study as zstudy
@@ -340,3 +341,52 @@ def test_trials_as_submitit_jobs_including_a_cancelled_and_a_timed_out_one(tmp_p
     assert Path(ok.user_attrs["log"]).parent.name == f"trial_{ok.number}"
     assert cancelled.state == TrialState.FAIL and "the launcher lost the job" in cancelled.user_attrs["reasons"][0]
     assert "best: trial" in out
+
+
+def test_a_nodes_clean_up_spares_the_other_nodes_of_its_trial_on_the_same_host(tmp_path, monkeypatch):
+    """Two nodes of one multi-node trial on one host (as in a one-machine Slurm): node 1's command exits
+    first, and its clean-up (which kills what carries its trial's marker) must leave node 0's command
+    running. Synchronised on files: node 0's command writes `started`, then waits for `go`."""
+    import threading
+
+    from hydra import compose, initialize_config_module
+    from omegaconf import open_dict
+
+    from zenithtune import app, settings
+
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "here = os.path.dirname(os.path.abspath(__file__))\n"
+        "if os.environ['SLURM_NODEID'] == '0':\n"
+        "    open(os.path.join(here, 'started'), 'w').close()\n"
+        "    while not os.path.exists(os.path.join(here, 'go')):\n"
+        "        time.sleep(0.05)\n"
+        "print(' throughput per GPU (TFLOP/s/GPU): 101.0 |', flush=True)\n")
+    with initialize_config_module("zenithtune.conf"):
+        cfg = compose("config", overrides=["n_gpus=8", "gbs=64"])
+    with open_dict(cfg):
+        cfg.command = [sys.executable, str(script)]
+        cfg.params = {"tp": 1, "pp": 1, "cp": 1, "mbs": 1, "recompute_granularity": "none"}
+        cfg.timeout = 120.0
+    conf = settings.load(cfg)
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    results: dict[str, object] = {}
+
+    def node(k: str) -> None:
+        os.environ["SLURM_NODEID"] = k  # the threads run one at a time: node 0 starts, then node 1
+        try:
+            results[k] = app.task(conf, tmp_path / "trial_0")
+        except BaseException as err:  # noqa: BLE001 - recorded for the assertion below
+            results[k] = err
+
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    first = threading.Thread(target=node, args=("0",))
+    first.start()
+    wait_for(lambda: (tmp_path / "started").exists(), 120, "node 0's command to start")
+    node("1")  # exits at once; its clean-up runs before this returns
+    assert results["1"] == 101.0
+    (tmp_path / "go").touch()
+    first.join(timeout=120)
+    assert results["0"] == 101.0, results["0"]
+    assert "exit code 0" in (tmp_path / "trial_0" / "trial.log").read_text()

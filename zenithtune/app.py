@@ -81,11 +81,13 @@ def _measure(conf: ZenithtuneConf, out_dir: Path, argv: list[str], env: dict[str
     """Run the command, score it, write log_path and info_path (trial.log / trial.json, or node k's);
     the score, or TrialFailure / KeyboardInterrupt."""
     # The trial dir marks every process of the trial (ZENITHTUNE_TRIAL): a resumed study finds what a
-    # killed tuner left running with processes.kill_leftovers(<trial dir>).
+    # killed tuner left running with processes.kill_leftovers(<trial dir>). Node k > 0 of a multi-node job
+    # adds its suffix: its clean-up after its own command exits must not kill node 0's command when two
+    # "nodes" share a host (one machine running several slurmd, or a node's tasks sharing a host).
     res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
               echo=(lambda line: print(line, flush=True)) if conf.echo else None,
               on_line=lambda line: _feed_both(evaluator, memory, line),
-              trial_id=str(out_dir), log_max_mb=conf.log_max_mb, stop=signals.pending)
+              trial_id=str(out_dir) + node_suffix(), log_max_mb=conf.log_max_mb, stop=signals.pending)
     failure = classify(res)
     score = None
     if res.interrupted:
