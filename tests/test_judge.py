@@ -81,3 +81,59 @@ def test_a_strategy_is_handed_the_judge_the_evaluator_and_the_pending_wave():
     # each ask saw the wave's candidates proposed before it (none is proposed twice)
     assert all(p == first_wave[:len(p)] for p in strategy.pendings)
     assert [len(p) for p in strategy.pendings][-1] == 2
+
+
+class _Script(Strategy):
+    """Proposes the given candidates in order, then stops."""
+
+    def __init__(self, cands: list[dict]) -> None:
+        self.cands = list(cands)
+        self.proofs: list[str | None] = []  # what the judge said proves each proposal fits, when proposed
+
+    def ask(self, pending=()) -> Proposal | None:
+        if not self.cands:
+            return None
+        cand = self.cands.pop(0)
+        self.proofs.append(self.judge.assess(cand).fits_surely)
+        return Proposal(dict(cand), why="scripted")
+
+
+def _budget_spent_then(reserved: float | None) -> tuple[Outcome, str | None]:
+    """A trainer needing 2.5x the estimate on a 40 GB GPU: tp1 at the largest MBS spends max_ooms=2
+    (at pp 1 and 2), a tp2 run fits (reporting its peaks when `reserved` is
+    given: reserved / allocated); then tp1 at MBS 1, which no run dominates by structure (less TP holds more
+    weights) and which truly fits: what becomes of it?"""
+    job = make_job("grid", extra=("max_ooms=2", "gpu_memory_gb=40"))
+    truth = lambda c: 2.5 * job.memory.estimate(job.space.layout(c)).allocated_gb  # noqa: E731
+    tp1 = [c for c in job.space.walk() if (c["tp"], c["pp"], c["cp"]) == (1, 1, 1)]
+    ran = next(c for c in job.space.walk() if (c["tp"], c["pp"], c["cp"], c["mbs"]) == (2, 1, 1, 1)
+               and c["recompute_granularity"] == "none")
+    wider = next(c for c in tp1 if c["mbs"] == 1 and c["recompute_granularity"] == "none")
+    big = [next(c for c in job.space.walk() if (c["tp"], c["pp"], c["cp"], c["mbs"]) == (1, pp, 1, 4)
+                and c["recompute_granularity"] == "none") for pp in (1, 2)]
+    assert all(truth(c) * 1.05 + 2 > 40 for c in big) and truth(wider) * 1.05 + 2 < 40
+    assert job.assess(wider).fit_proof is None  # nothing proves it by structure
+    job.strategy = script = _Script([*big, ran, wider])
+
+    def launch(n: int, cand: dict, timeout: float | None) -> Launched:
+        if cand in big:
+            return Launched(None, FailureKind.OOM.value, "CUDA out of memory")
+        return Launched(100.0, measured_gb=truth(cand), reserved_gb=None if reserved is None else truth(cand) * reserved)
+
+    loop = StudyLoop(job, optuna.create_study(direction="maximize"), launch)
+    loop.start([])
+    loop.run(10)
+    assert sum(o.kind == FailureKind.OOM.value for o in loop.outcomes) == 2, [(o.rules, o.reasons) for o in loop.outcomes]
+    return next(o for o in loop.outcomes if o.candidate == wider), script.proofs[-1]
+
+
+def test_past_max_ooms_a_bound_from_a_measured_peak_proves_a_candidate_structure_cannot():
+    o, proof = _budget_spent_then(reserved=1.05)
+    assert o.launched and o.ok, o.reasons
+    assert proof is not None and proof.startswith("reserves at most") and "trial 2's measured peak" in proof
+
+
+def test_past_max_ooms_without_a_reserved_peak_nothing_unproven_launches():
+    o, proof = _budget_spent_then(reserved=None)
+    assert proof is None and not o.launched and o.rules == ["oom_budget"]
+    assert "max_ooms=2" in o.reasons[0] and "not proven to fit" in o.reasons[0]

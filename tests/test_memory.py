@@ -298,3 +298,42 @@ def test_a_model_shown_wrong_widens_its_uncertainty():
     mm.observe_oom(wrong, needed_gb=1.5 * mm.predict(wrong))  # 50 % more than predicted
     assert mm.model_error >= 0.4
     assert mm.predict_sd(lay) > 5 * pinned
+
+
+def test_a_bound_from_a_measured_run_proves_a_neighbour_fits_and_proves_nothing_once_an_oom_refutes_it():
+    """The bound trusts a run's measured peak and inflates only the estimate's difference: MBS 2 and TP 1
+    next to a measured TP 2 / MBS 1 are proven to fit on a 141 GB GPU, MBS 4 (more than doubled) is too far
+    to bound; once MBS 2 runs out of memory, no inflation explains it and the bound proves nothing."""
+    mm = MemoryModel(LLAMA8, 141)
+    one, two, four = (Layout(8, 64, tp=2, sequence_parallel=True, mbs=m, **SEL) for m in (1, 2, 4))
+    tp1 = Layout(8, 64, tp=1, mbs=1, **SEL)
+    e1 = mm.estimate(one)
+    mm.observe_success(one, measured_peak_gb=e1.allocated_gb, reserved_gb=e1.allocated_gb * 1.05, tag=7)
+    found = mm.bound(two)
+    assert found is not None and found[1] == 7 and mm.bound_growth == 2.0
+    assert found[0] > mm.estimate(two).allocated_gb  # pessimistic: above the estimate itself
+    assert found[0] <= mm.bound_limit(two)  # ... and still a proof on a 141 GB GPU
+    assert mm.bound(tp1)[0] <= mm.bound_limit(tp1)
+    assert mm.bound(four) is None  # MBS x4: laws the estimate lacks could compound
+    mm.observe_oom(two)  # it did not fit: a trainer far from the estimate
+    assert mm.bound_growth is None and mm.bound(two) is None and mm.bound(tp1) is None
+
+
+def test_a_bound_does_not_trust_changes_that_cancel_in_the_estimate():
+    """CP 2 at MBS 2 holds what CP 1 at MBS 1 holds, by the estimate; the bound walks one size at a time
+    and takes the worse order (MBS first: the activations double before CP halves them)."""
+    mm = MemoryModel(LLAMA8, 141)
+    ref = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, **SEL)
+    both = replace(ref, cp=2, mbs=2)
+    e = mm.estimate(ref)
+    assert abs(mm.estimate(both).activations_gb - e.activations_gb) < 0.05 * e.activations_gb
+    mm.observe_success(ref, measured_peak_gb=e.allocated_gb, reserved_gb=e.allocated_gb * 1.05)
+    act = e.activations_gb
+    assert mm.bound(both)[0] >= (e.allocated_gb + 2 * act - 0.5 * act) * 1.05
+
+
+def test_a_bound_is_only_taken_from_runs_that_printed_both_peaks():
+    mm = MemoryModel(LLAMA8, 80)
+    one = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, **SEL)
+    mm.observe_success(one, measured_peak_gb=20.0)  # no "max reserved": the allocator's share is unknown
+    assert mm.bound(Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)) is None

@@ -40,6 +40,14 @@ class Assessment:
     # surely runs out (it needs at least as much as a run that did).
     fit_proof: str | None = None
     oom_dominated: str | None = None
+    # A proof by a measured run's peak (memory.MemoryModel.bound): only what differs from that run rests
+    # on the estimate, inflated; it stands in for `fit_proof` once a study spent its `max_ooms`.
+    bound_proof: str | None = None
+
+    @property
+    def fits_surely(self) -> str | None:
+        """Why it surely fits (by structure, else by a measured run's bound), or None."""
+        return self.fit_proof or self.bound_proof
 
     @property
     def launchable(self) -> bool:

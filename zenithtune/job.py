@@ -25,6 +25,7 @@ from zenithtune.run import FailureKind, command_problem
 from zenithtune.settings import TimeoutPolicy, ZenithtuneConf, build, timeouts, trial_params, wrapped_command
 from zenithtune.space import Context, Space, Survey, mbs_values, policy_off
 from zenithtune.strategies import Strategy
+from zenithtune.validate import Layout
 
 # Memory of the GPUs the built-in simulator can play (`--sim-gpu`), as PyTorch reports it (GiB), so a
 # simulated study needs no gpu_memory_gb.
@@ -72,6 +73,9 @@ class Setting:
         # and one needing at least as much as a run that ran out does not (dominance.py)
         ran = dominated_by(self.space, cand, self.fit_runs)
         fit_proof = None if ran is None else f"needs no more memory than trial {ran.trial_number}, which fit"
+        # a bound from a measured run stands in for structure once the OOM budget is spent; it does not
+        # overrule the memory model (two kinds of evidence that disagree: the candidate is not launched)
+        bound_proof = None if fit_proof is not None or mem.oom else self._bound_proof(lay, cand)
         bad = None if ran is not None else dominated_by(self.space, cand, self.oom_runs, below=False)
         oom_dominated = None if bad is None else (f"needs at least as much memory as trial {bad.trial_number}, "
                                                   f"which ran out of memory (same or narrower split and "
@@ -87,7 +91,15 @@ class Setting:
             reasons = [(REFUSED_RULE, t.describe()) for t in self.refused if t.matches(options)][:1]
         return Assessment(layout=lay, reasons=tuple(reasons), predicted_gb=mem.predicted_gb, sd=mem.sd,
                           oom_risk=mem.oom_risk, proven_fit=mem.proven_fit, predicted_oom=mem.oom,
-                          fit_proof=fit_proof, oom_dominated=oom_dominated)
+                          fit_proof=fit_proof, oom_dominated=oom_dominated, bound_proof=bound_proof)
+
+    def _bound_proof(self, lay: Layout, cand: Mapping[str, Any]) -> str | None:
+        """Why `cand` surely fits by a bound from a measured run (`MemoryModel.bound`), or None."""
+        found, limit = self.memory.bound(lay, self.space.vit_checkpointing(cand)), self.memory.bound_limit(lay)
+        if found is None or limit is None or found[0] > limit:
+            return None
+        return (f"reserves at most {found[0]:.0f} GB (trial {found[1]}'s measured peak + the estimate's "
+                f"difference, x{self.memory.bound_growth:g}), within the {limit:.0f} GB a run that fit held")
 
     def observe(self, o: Outcome) -> None:
         """Learn from a launched trial: its memory evidence, and a feature the trainer refused."""
@@ -100,7 +112,8 @@ class Setting:
         elif o.kind == FailureKind.OOM.value:
             self.oom_runs.append(o)
         if o.state == "complete":
-            self.memory.observe_success(lay, o.measured_gb, reserved_gb=o.reserved_gb, vit_checkpointing=vit)
+            self.memory.observe_success(lay, o.measured_gb, reserved_gb=o.reserved_gb, vit_checkpointing=vit,
+                                        tag=o.trial_number)
         elif o.kind == FailureKind.OOM.value:
             self.memory.observe_oom(lay, needed_gb=o.needed_gb, vit_checkpointing=vit)
         trait = self.refusal(o)

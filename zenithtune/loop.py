@@ -348,13 +348,15 @@ class StudyLoop:
     # --- the OOM budget, for every strategy ---------------------------------------------------------
     def proof_of_fit(self, cand: dict) -> str | None:
         """Why `cand` surely fits, or None: it needs no more memory than a run that fit, by structure
-        (the judge's `fit_proof`). Before any run fit, the learned memory model's 3 sd under the GPU's
-        capacity stands in (nothing else can start a study); after, not: the estimate's formulas may not
-        be the trainer's (activations growing faster than the micro-batch, experts that TP does not
-        split), and a memory model fitted to them can be confidently wrong."""
+        (the judge's `fit_proof`), or a measured run's peak plus the estimate's difference, inflated,
+        stays within what a run that fit held (`bound_proof`). Before any run fit, the learned memory
+        model's 3 sd under the GPU's capacity stands in (nothing else can start a study); after, not:
+        the estimate's formulas may not be the trainer's (activations growing faster than the
+        micro-batch, experts that TP does not split), and a memory model fitted to them can be
+        confidently wrong about the whole; the bound trusts it only for what differs."""
         a = self.job.assess(cand)
-        if a.fit_proof is not None:
-            return a.fit_proof
+        if a.fits_surely is not None:
+            return a.fits_surely
         if self.job.fit_runs or a.predicted_gb is None or a.sd is None:
             return None
         if a.predicted_gb + 3 * a.sd <= self.job.capacity_gb:

@@ -35,11 +35,12 @@ benchmarks/memory_accuracy.py compares the two from the simulator's results only
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -314,6 +315,47 @@ DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration 
 
 COMPONENTS = ("weights", "optimizer", "activations", "expert_activations", "logits")
 
+# A bound from a measured run (`MemoryModel.bound`) trusts the run's own measurement and extrapolates
+# only the estimate's difference to the candidate, pessimistically: growth x GROWTHS[0], more after an OOM
+# it would have proven (`bound_growth`; and x the learned
+# multiplier where that is larger), savings x SAVINGS; a reservation ratio as measured (+ RATIO_CUSHION
+# at another MBS, + another RECOMPUTE_CUSHION at other recompute, which fragments the allocator
+# differently); NCCL_CUSHION_GB per communicator the candidate has beyond the fullest run's (`bound_limit`).
+GROWTHS = (2.0, 3.0, 4.0)
+SAVINGS = 0.5
+RATIO_CUSHION = 0.05
+RECOMPUTE_CUSHION = 0.10
+NCCL_CUSHION_GB = 0.5
+# What lies outside PyTorch's allocator is at most this (GB): CUDA context and cuBLAS/TE workspaces
+# (~1), NCCL buffers per communicator (~0.2-0.5 each, up to 7 communicators), CUDA graphs and TE
+# userbuffers (Megatron-Bridge's "Memory Tuning" guide lists these as what its estimator leaves out;
+# 2-8 GB in practice). A bound under capacity minus this fits even with nothing measured near it.
+NON_TORCH_MAX_GB = 10.0
+
+
+NEIGHBOUR_DIMS = 2  # ... from a run differing in at most this many of its sizes (parallel, MBS, recompute)
+
+
+_STEPS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("pp",), ("cp",), ("ep",), ("etp",), ("mbs",),
+          ("recompute_granularity", "recompute_method", "recompute_num_layers"))
+
+
+def steps(a: Layout, b: Layout) -> list[tuple[str, ...]] | None:
+    """The sizes (as groups of Layout fields) in which `a` differs from `b`, or None when a bound from b's
+    measurement cannot hold for a: more than NEIGHBOUR_DIMS of TP, PP, CP, EP, expert TP, MBS and the
+    recompute settings differ, or the MBS more than doubles. Farther, laws the estimate does not have
+    compound (expert activations that TP does not split, buffers per extra micro-batch sample,
+    fragmentation that grows with both MBS and recompute) beyond any fixed factor."""
+    diff = [g for g in _STEPS if any(getattr(a, f) != getattr(b, f) for f in g)]
+    return diff if len(diff) <= NEIGHBOUR_DIMS and a.mbs <= 2 * b.mbs else None
+
+
+def communicators(lay: Layout) -> int:
+    """Process groups of size > 1 a rank belongs to (each holds NCCL buffers outside the allocator)."""
+    sizes = (lay.tp, lay.pp, lay.cp, lay.dp * lay.cp, lay.ep, lay.expert_tp if lay.ep > 1 else 1,
+             lay.expert_dp if lay.ep > 1 else 1)
+    return sum(1 for n in sizes if n > 1)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -369,7 +411,11 @@ class MemoryModel:
         self._frag: list[tuple[bool, float]] = []  # (full recompute?, measured reserved / allocated)
         self._fixed_cap: float | None = None  # what runs that fit prove the non-PyTorch part is at most (GB)
         self._ok: list[MemoryEstimate] = []  # what ran
+        # what ran and printed both its peaks: (estimate, layout, max allocated, max reserved, tag)
+        self._held: list[tuple[MemoryEstimate, Layout, float, float, object]] = []
         self._oom: list[MemoryEstimate] = []  # what ran out of memory
+        self._oom_at: list[tuple[Layout, bool | None]] = []  # ... as (layout, ViT checkpointing)
+        self._growth: tuple[int, float | None] | None = None  # (observations it was computed on, bound_growth)
         n = len(COMPONENTS)
         self._w = np.ones(n)  # learned multipliers, in COMPONENTS' order
         self._cov = np.eye(n) * COMPONENT_SD ** 2  # their posterior covariance
@@ -569,9 +615,9 @@ class MemoryModel:
             self._misses.append(off / max(predicted, 1e-9))
 
     def observe_success(self, layout: Layout, measured_peak_gb: float | None, *, reserved_gb: float | None = None,
-                        vit_checkpointing: bool | None = None) -> None:
+                        vit_checkpointing: bool | None = None, tag: object = None) -> None:
         """A run that completed; `measured_peak_gb` is Megatron's "max allocated" (None if not
-        printed), `reserved_gb` its "max reserved"."""
+        printed), `reserved_gb` its "max reserved"; `tag` names the run in `bound`'s answer."""
         est = self.estimate(layout, vit_checkpointing)
         if est is None:
             return
@@ -590,10 +636,99 @@ class MemoryModel:
         if reserved_gb is not None and 1.0 <= reserved_gb / measured_peak_gb <= 2.0:
             self._frag.append((est.full_recompute, reserved_gb / measured_peak_gb))
             footprint = float(reserved_gb)
+            self._held.append((est, layout, float(measured_peak_gb), float(reserved_gb), tag))
         # it fit, so everything outside the allocator took at most what its peak left of the GPU
         room = max(self.capacity_gb - footprint, 0.0)
         self._fixed_cap = room if self._fixed_cap is None else min(self._fixed_cap, room)
         self._fit()
+
+    @property
+    def held_gb(self) -> float | None:
+        """The largest "max reserved" of a run that fit: with everything outside the allocator, it fit on
+        the GPU, so any run reserving no more fits too (None before a run reported both peaks)."""
+        return max((r for _, _, _, r, _ in self._held), default=None)
+
+    def bound(self, layout: Layout, vit_checkpointing: bool | None = None) -> tuple[float, object] | None:
+        """A conservative upper bound on what `layout` reserves (GB) and the run it is taken from, or
+        None: the tightest over the runs that printed both peaks and are its `neighbours`, each its
+        measured "max allocated"
+        plus the estimate's difference to `layout`, growth inflated and savings discounted
+        (`bound_growth`, SAVINGS), times its measured reservation ratio with cushions. Only the difference rests on the
+        estimate, and pessimistically: a proof of fit (`bound <= bound_limit`) that survives a trainer
+        whose formulas are not ours, within a factor 2 on what differs."""
+        growth = self.bound_growth
+        return None if growth is None else self._bound(layout, vit_checkpointing, growth)
+
+    @property
+    def bound_growth(self) -> float | None:
+        """How much `bound` inflates the estimate's growth: the least of GROWTHS under which no run that
+        ran out of memory would have been proven to fit (None: even the largest is refuted, and `bound`
+        proves nothing in this study): a trainer whose memory grows faster than the estimate says (more
+        buffers per micro-batch, another allocator) makes the bound more pessimistic, not wrong again."""
+        if self._growth is None or self._growth[0] != len(self._oom_at) + len(self._held):
+            found = next((g for g in GROWTHS if not any(self._proves(lay, vit, g) for lay, vit in self._oom_at)),
+                         None)
+            self._growth = (len(self._oom_at) + len(self._held), found)
+        return self._growth[1]
+
+    def _proves(self, layout: Layout, vit: bool | None, growth: float) -> bool:
+        found, limit = self._bound(layout, vit, growth), self.bound_limit(layout)
+        return found is not None and limit is not None and found[0] <= limit
+
+    def _bound(self, layout: Layout, vit_checkpointing: bool | None, growth: float) -> tuple[float, object] | None:
+        est = self.estimate(layout, vit_checkpointing)
+        if est is None or not self._held:
+            return None
+        ratios = [r / a for _, _, a, r, _ in self._held]
+        best: tuple[float, object] | None = None
+        for ref, ref_layout, allocated, reserved, tag in self._held:
+            diff = steps(layout, ref_layout)
+            grown = None if diff is None else self._grown(ref_layout, layout, diff, vit_checkpointing, growth)
+            if grown is None:
+                continue
+            alloc = allocated + grown
+            ratio = reserved / allocated
+            if diff:
+                ratio += RATIO_CUSHION
+            if est.full_recompute != ref.full_recompute or \
+                    layout.recompute_granularity != ref_layout.recompute_granularity:
+                ratio = max(ratio, *ratios) + RECOMPUTE_CUSHION
+            gb = max(alloc, 0.0) * ratio
+            if best is None or gb < best[0]:
+                best = (gb, tag)
+        return best
+
+    def _grown(self, ref: Layout, layout: Layout, diff: list[tuple[str, ...]], vit: bool | None,
+               growth: float) -> float | None:
+        """What the estimate says changes from `ref` to `layout` (which differ in `diff`), one size at a
+        time, growth inflated (x `growth`, or the learned multiplier where larger) and savings discounted
+        (x SAVINGS), in the worse of the orders: changes that cancel in the estimate (CP halving what a
+        doubled MBS doubles) are not trusted to cancel in the trainer. None: a step has no estimate."""
+        worst: float | None = None
+        for order in itertools.permutations(diff):
+            here, total = ref, 0.0
+            for group in order:
+                nxt = replace(here, **{f: getattr(layout, f) for f in group})
+                a, b = self.estimate(here, vit), self.estimate(nxt, vit)
+                if a is None or b is None:
+                    return None
+                d = self._x(b) - self._x(a)
+                total += float((np.maximum(growth, self._w) * np.clip(d, 0, None)).sum())
+                total += SAVINGS * float(np.clip(d, None, 0).sum())
+                here = nxt
+            worst = total if worst is None else max(worst, total)
+        return 0.0 if worst is None else worst
+
+    def bound_limit(self, layout: Layout) -> float | None:
+        """What `bound` must stay under for `layout` to surely fit: the fullest run's "max reserved"
+        (it fit with everything outside the allocator), less NCCL_CUSHION_GB per communicator `layout`
+        has beyond that run's (NCCL's buffers are outside the allocator); or the capacity less the most
+        that lies outside the allocator (NON_TORCH_MAX_GB), when that is more."""
+        if not self._held:
+            return None
+        _, top_layout, _, top, _ = max(self._held, key=lambda h: h[3])
+        held = top - NCCL_CUSHION_GB * max(communicators(layout) - communicators(top_layout), 0)
+        return max(held, self.capacity_gb - NON_TORCH_MAX_GB)
 
     def observe_oom(self, layout: Layout, *, needed_gb: float | None = None,
                     vit_checkpointing: bool | None = None) -> None:
@@ -603,6 +738,7 @@ class MemoryModel:
         if est is None:
             return
         self._oom.append(est)
+        self._oom_at.append((layout, vit_checkpointing))
         need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
         x = self._x(est)
         scale = 1 + self._fragmentation(est)

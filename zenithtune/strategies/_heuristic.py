@@ -66,6 +66,11 @@ RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `
 # uncertainty widens (by 1 + the shortfall: tau 0 -> x1.5, reversed -> x2.5)
 CONTRADICTED = 0.5
 UNANCHORED_SD = 0.1  # the doubt (log) on a prediction made only from the prior at the others' level
+# Once measurements contradict the prior's ranking, the doubt (log) on a candidate whose every pair of
+# parallel sizes (tp with ep, cp with ep, ...) no measured run combines: the prior's structure (what
+# crosses a node, which all-to-all grows with what) is least tested there; a share of it for a share
+# of unseen pairs. It makes the search measure combinations it has not seen before stopping.
+NOVEL_SD = 0.15
 
 
 def _lay(c: dict) -> tuple:
@@ -133,6 +138,9 @@ class HeuristicStrategy(Strategy):
             pool, self._dropped = valid, {"nothing left fits: domain rules dropped": len(valid)}
         self._pool = self._one_uniform_chunk(pool)
         self._keys = [space.key(c) for c in self._pool]
+        varied = [k for k in LAYOUT_PARAMS if len({c.get(k) for c in self._pool}) > 1]
+        self._pairs = [[(a, c.get(a), b, c.get(b)) for i, a in enumerate(varied) for b in varied[i + 1:]]
+                       for c in self._pool]
         self._index = {k: i for i, k in enumerate(self._keys)}
         # the throughput prior of every candidate (TFLOP/s), with the per-component multipliers learned
         # so far (`_speed`): ask() refits them to the measured runs and updates _prior
@@ -184,10 +192,10 @@ class HeuristicStrategy(Strategy):
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
             if ooms >= self.max_ooms and any(o.ok for o in self.history):
                 # budget spent: only what a run that fit proves fits, by structure (the study loop's rule)
-                if a.fit_proof is None:
+                if a.fits_surely is None:
                     return False, (f"{gb:.0f}/{cap:g} GB, not proven to fit by a run that fit after {ooms} OOM "
                                    f"(max_ooms={self.max_ooms})")
-                return True, f"{gb:.0f}/{cap:g} GB, {a.fit_proof}"
+                return True, f"{gb:.0f}/{cap:g} GB, {a.fits_surely}"
             risk = a.oom_risk
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
@@ -279,7 +287,7 @@ class HeuristicStrategy(Strategy):
         mean = mean + offset
         if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
             sd = np.sqrt(sd ** 2 + self._speed_model.sd[at] ** 2)
-        sd, contradicted = self._widened(sd, reps)
+        sd, contradicted = self._widened(sd, reps, at)
         pred = self._prior[at] * np.exp(mean)
         ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
         probe = None
@@ -322,13 +330,22 @@ class HeuristicStrategy(Strategy):
             return found
         return self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
 
-    def _widened(self, sd: np.ndarray, reps: dict[tuple, Outcome]) -> tuple[np.ndarray, str]:
+    def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
+        """Per candidate, sqrt(share of its pairs of parallel sizes that no measured run combines)."""
+        seen = {p for k in reps if k in self._index for p in self._pairs[self._index[k]]}
+        return np.array([math.sqrt(sum(p not in seen for p in self._pairs[i]) / len(self._pairs[i]))
+                         if self._pairs[i] else 0.0 for i in at])
+
+    def _widened(self, sd: np.ndarray, reps: dict[tuple, Outcome], at: np.ndarray) -> tuple[np.ndarray, str]:
         """Measurements that contradict the prior's ranking (not only its scale) make every prediction
-        less certain, so the search explores what it has not measured instead of trusting the prior."""
+        less certain, so the search explores what it has not measured instead of trusting the prior:
+        most where no measured run combines its parallel sizes (NOVEL_SD)."""
         tau = self._agreement(reps)
         widen = 1.0 + max(0.0, CONTRADICTED - tau)
-        said = f"; prior's ranking contradicted (tau {tau:+.2f}), uncertainty x{widen:.1f}" if widen > 1 else ""
-        return sd * widen, said
+        if widen == 1:
+            return sd, ""
+        sd = np.sqrt(sd ** 2 + (NOVEL_SD * self._novelty(at, reps)) ** 2)
+        return sd * widen, f"; prior's ranking contradicted (tau {tau:+.2f}), uncertainty x{widen:.1f}"
 
     def _nothing_left(self, hopeful: int, ruled: int, unfit: int, target: float) -> str:
         """Why no unmeasured candidate is launched (the study's stop reason, unless a confirmation follows)."""
