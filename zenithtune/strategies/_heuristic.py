@@ -71,6 +71,11 @@ UNANCHORED_SD = 0.1  # the doubt (log) on a prediction made only from the prior 
 # crosses a node, which all-to-all grows with what) is least tested there; a share of it for a share
 # of unseen pairs. It makes the search measure combinations it has not seen before stopping.
 NOVEL_SD = 0.15
+# Predictions shown to miss by this much (log, `_missed`: 0.3 is 35 %) mean the prior does not describe
+# this trainer at all (a tiny model on CPU, where latencies the prior weighs for GPUs decide nothing):
+# then, before stopping, the layouts no run measured are measured (`explore_layouts` of them).
+EXPLORE_MISSED = 0.3
+EXPLORE_WHY = "explore"
 
 
 def _lay(c: dict) -> tuple:
@@ -87,7 +92,8 @@ class HeuristicStrategy(Strategy):
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
-                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 5, noise: float = 0.02):
+                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 5, noise: float = 0.02,
+                 explore_layouts: int = 4):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -123,6 +129,10 @@ class HeuristicStrategy(Strategy):
         # far from its prediction, and a best whose runner-up is within the noise (each counts as a launch).
         self.repeats = int(repeats)
         self.noise = float(noise)  # run-to-run noise assumed until repeats measure it (relative sd)
+        if explore_layouts < 0:
+            raise ValueError(f"explore_layouts={explore_layouts} must be >= 0 (4: launches that may measure "
+                             f"layouts no run measured when the predictions proved wrong)")
+        self.explore_layouts = int(explore_layouts)
         self._predicted: dict[tuple, tuple[float, float]] = {}  # key -> (predicted rate, log sd) when proposed
         self._pending: list[dict] = []  # this wave's proposals not yet told (ask's `pending`)
 
@@ -139,7 +149,9 @@ class HeuristicStrategy(Strategy):
         self._pool = self._one_uniform_chunk(pool)
         self._keys = [space.key(c) for c in self._pool]
         varied = [k for k in LAYOUT_PARAMS if len({c.get(k) for c in self._pool}) > 1]
-        self._pairs = [[(a, c.get(a), b, c.get(b)) for i, a in enumerate(varied) for b in varied[i + 1:]]
+        # what a candidate's layout combines: each varied size alone, and each pair of them
+        self._pairs = [[(a, c.get(a)) for a in varied]
+                       + [(a, c.get(a), b, c.get(b)) for i, a in enumerate(varied) for b in varied[i + 1:]]
                        for c in self._pool]
         self._index = {k: i for i, k in enumerate(self._keys)}
         # the throughput prior of every candidate (TFLOP/s), with the per-component multipliers learned
@@ -325,13 +337,14 @@ class HeuristicStrategy(Strategy):
                     probe = (worth, Proposal(dict(cand), probe_memory=True,
                                              why=f"memory probe: {why}, though {mem}; {100 * r:.0f} % risk of "
                                                  f"running out of memory for the best expected gain per risk"))
-        found = self._granularity_check(best, tried, reps) or (probe[1] if probe else None)
+        found = self._granularity_check(best, tried, reps) or (probe[1] if probe else None) or \
+            self._unmeasured_layout(tried, reps)
         if found is not None:
             return found
         return self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
 
     def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
-        """Per candidate, sqrt(share of its pairs of parallel sizes that no measured run combines)."""
+        """Per candidate, sqrt(share of its parallel sizes, alone and in pairs, that no measured run has)."""
         seen = {p for k in reps if k in self._index for p in self._pairs[self._index[k]]}
         return np.array([math.sqrt(sum(p not in seen for p in self._pairs[i]) / len(self._pairs[i]))
                          if self._pairs[i] else 0.0 for i in at])
@@ -339,13 +352,40 @@ class HeuristicStrategy(Strategy):
     def _widened(self, sd: np.ndarray, reps: dict[tuple, Outcome], at: np.ndarray) -> tuple[np.ndarray, str]:
         """Measurements that contradict the prior's ranking (not only its scale) make every prediction
         less certain, so the search explores what it has not measured instead of trusting the prior:
-        most where no measured run combines its parallel sizes (NOVEL_SD)."""
+        most where no measured run has its parallel sizes (NOVEL_SD)."""
         tau = self._agreement(reps)
         widen = 1.0 + max(0.0, CONTRADICTED - tau)
         if widen == 1:
             return sd, ""
         sd = np.sqrt(sd ** 2 + (NOVEL_SD * self._novelty(at, reps)) ** 2)
         return sd * widen, f"; prior's ranking contradicted (tau {tau:+.2f}), uncertainty x{widen:.1f}"
+
+    def _unmeasured_layout(self, tried: set[tuple], reps: dict[tuple, Outcome]) -> Proposal | None:
+        """Before stopping, when the predictions proved wrong (EXPLORE_MISSED): the layout no run measured
+        whose best candidate has the highest (corrected) prior, that candidate; at most
+        `explore_layouts` per study. The prior's ranking of layouts is what such a trainer contradicts."""
+        missed = self._missed(reps)
+        if missed < EXPLORE_MISSED or \
+                sum(1 for o in self.history if (o.why or "").startswith(EXPLORE_WHY)) >= self.explore_layouts:
+            return None
+        measured = {_lay(o.candidate) for o in self.history if o.launched} | {_lay(c) for c in self._pending}
+        for i in np.argsort(-self._prior, kind="stable"):
+            cand = self._pool[i]
+            if _lay(cand) in measured or self._keys[i] in tried or self._ruled_out(cand, reps):
+                continue
+            fits, mem = self._fits(cand, self.fit)
+            if fits:
+                return Proposal(dict(cand), why=f"{EXPLORE_WHY}: predictions missed by {100 * missed:.0f} %, so "
+                                f"layout {self._layout_note(cand)} is measured although the prior ranks it low; "
+                                f"{mem}")
+            measured.add(_lay(cand))  # its best by the prior does not fit: the next layout
+        return None
+
+    def _missed(self, reps: dict[tuple, Outcome]) -> float:
+        """How far (log, median, x1.25: about one sd) measurements landed from what the search predicted
+        when it launched them."""
+        off = [abs(math.log(self._speed(o) / self._predicted[k][0])) for k, o in reps.items() if k in self._predicted]
+        return 1.25 * float(np.median(off)) if off else 0.0
 
     def _nothing_left(self, hopeful: int, ruled: int, unfit: int, target: float) -> str:
         """Why no unmeasured candidate is launched (the study's stop reason, unless a confirmation follows)."""
@@ -422,8 +462,9 @@ class HeuristicStrategy(Strategy):
                 off = math.log(speed / pr[0])
                 steers = speed >= target * (1 - 3 * noise) or pr[0] * math.exp(self.kappa * pr[1]) > target
                 if steers and abs(off) > max(3 * noise, 2 * pr[1]):
+                    far = f"{100 * math.expm1(off):+.0f} %" if abs(off) < 0.7 else f"x{math.exp(off):.2g}"
                     return self._again(o, f"trial {o.trial_number} measured {self._shown(speed)}, "
-                                          f"{100 * off:+.0f} % from its prediction {self._shown(pr[0])}")
+                                          f"{far} from its prediction {self._shown(pr[0])}")
             smaller = [r for kk, r in reps.items() if kk != k and self._ladder(r.candidate) == self._ladder(o.candidate)
                        and r.candidate.get("mbs", 1) < o.candidate.get("mbs", 1)]
             lost = [r for r in smaller if self._speed(r) > speed]
