@@ -229,6 +229,16 @@ def build_job(conf: ZenithtuneConf) -> Job:
                max_ooms=conf.max_ooms)
 
 
+def memory_limits(job: Job) -> str:
+    """What a study says up front about launches that may run out of memory: the OOM budget, and how many
+    of those launches its strategy may make past the memory screen on purpose."""
+    probes = min(job.strategy.past_screen, job.max_ooms)
+    past = (f", {probes} of them past the memory screen (memory probes)" if probes else
+            ", none past the memory screen")
+    return (f"memory: at most {job.max_ooms} launch{'' if job.max_ooms == 1 else 'es'} may run out of memory "
+            f"(max_ooms){past}; after that only what a run that fit proves fits")
+
+
 def space_report(setting: Setting) -> SpaceReport:
     """The space report of a study about to start (the space's walk is replayed, not redone)."""
     survey = Survey()

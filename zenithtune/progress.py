@@ -132,9 +132,10 @@ class Progress(Callbacks):
 
     # --- the study ---------------------------------------------------------------------------------
     def header(self, setting: Setting, report: SpaceReport, strategy: str, url: str, resumed: int = 0,
-               stale: list[int] | None = None, best: float | None = None, used: int = 0) -> None:
-        """The space report (`strategy`: its name as the user selected it); for a resumed study also its
-        best so far and the launches already used."""
+               stale: list[int] | None = None, best: float | None = None, used: int = 0, limits: str = "") -> None:
+        """The space report (`strategy`: its name as the user selected it; `limits`: what it may launch
+        that can run out of memory, `job.memory_limits`); for a resumed study also its best so far and
+        the launches already used."""
         self.best = best
         ctx, s = setting.ctx, report.survey
         self.line(f"zenithtune: {ctx.n_gpus} GPUs ({ctx.gpus_per_node}/node, {setting.capacity_gb:g} GB from "
@@ -153,6 +154,8 @@ class Progress(Callbacks):
                   + (" (counted on a sample)" if report.estimated else ""))
         self.line(f"  ={about}{s.valid - report.predicted_oom} left to search; strategy "
                   f"{strategy}, n_trials={self.total}")
+        if limits:
+            self.line(f"  {limits}")
         for note in s.notes:
             self.line(f"  note: {note}")
         resume = ""

@@ -23,7 +23,7 @@ from zenithtune import study as zstudy
 from zenithtune.app import TrialFailure
 from zenithtune.errors import StudyFailed, StudyInterrupted, UserError, ZenithtuneError
 from zenithtune.inject import inject
-from zenithtune.job import Job, build_job, space_report
+from zenithtune.job import Job, build_job, memory_limits, space_report
 from zenithtune.loop import Pending, StudyLoop, WaveInterrupted
 from zenithtune.overrides import hydra_quote, key, resume_command, value
 from zenithtune.processes import kill_leftovers
@@ -154,7 +154,7 @@ class StudyRunner:
         best = zstudy.best(prior, job.evaluator.direction)
         used = record.budget_used(prior)
         progress.header(job, space_report(job), self.strategy_name, url, resumed=len(prior), stale=stale,
-                        best=best.value if best else None, used=used)
+                        best=best.value if best else None, used=used, limits=memory_limits(job))
         loop = StudyLoop(job, study, callbacks=progress, max_consecutive_skips=self.max_consecutive_skips,
                          launch_batch=self._launch_wave, parallel=conf.parallel_trials, liveness=liveness)
         # A candidate whose job Slurm never started says nothing about it: proposed again after a fix

@@ -81,6 +81,12 @@ class Strategy(ABC):
     space: Space
     ctx: Context
 
+    @property
+    def past_screen(self) -> int:
+        """Launches per study this strategy may make past the memory screen on purpose (memory probes);
+        every other launch passes the study's screen and OOM budget."""
+        return 0
+
     def sampler(self) -> optuna.samplers.BaseSampler:
         import optuna
 

@@ -40,8 +40,12 @@ How it chooses (each launch says which of these made it):
    within twice the noise. The noise is `noise` until repeats of three candidates measure it.
 7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
    (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
-   so the search explores layouts it has not measured. Exhausted when no unmeasured candidate could
-   still beat the best: ask() returns None and `stop_reason` says why (the study's footer shows it).
+   most for candidates whose parallel sizes, alone or in pairs, no run measured (NOVEL_SD), so the
+   search explores layouts it has not measured. When the predictions missed by over 35 %
+   (EXPLORE_MISSED), the prior does not describe the trainer at all: before stopping, up to
+   `explore_layouts` layouts no run measured are measured, in the prior's order. Exhausted when no
+   unmeasured candidate could still beat the best: ask() returns None and `stop_reason` says why
+   (the study's footer shows it).
 """
 from __future__ import annotations
 
@@ -135,6 +139,10 @@ class HeuristicStrategy(Strategy):
         self.explore_layouts = int(explore_layouts)
         self._predicted: dict[tuple, tuple[float, float]] = {}  # key -> (predicted rate, log sd) when proposed
         self._pending: list[dict] = []  # this wave's proposals not yet told (ask's `pending`)
+
+    @property
+    def past_screen(self) -> int:
+        return self.memory_probes if self.max_ooms > 0 else 0
 
     # --- the pool -----------------------------------------------------------------------------------
     def setup(self, judge: Judge, history: list[Outcome], direction: Literal["maximize", "minimize"] = "maximize",

@@ -105,6 +105,10 @@ class StagedBlackboxStrategy(Strategy):
     def sampler(self) -> optuna.samplers.BaseSampler:
         return tpe_sampler(self.seed, self.n_startup_trials)
 
+    @property
+    def past_screen(self) -> int:
+        return self.memory_probes
+
     def setup(self, judge: Judge, history: list[Outcome], direction: Literal["maximize", "minimize"] = "maximize",
               metric: str = "TFLOP/s/GPU") -> None:
         space = judge.space
