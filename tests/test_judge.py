@@ -137,3 +137,14 @@ def test_past_max_ooms_without_a_reserved_peak_nothing_unproven_launches():
     o, proof = _budget_spent_then(reserved=None)
     assert proof is None and not o.launched and o.rules == ["oom_budget"]
     assert "max_ooms=2" in o.reasons[0] and "not proven to fit" in o.reasons[0]
+
+
+def test_a_study_says_up_front_how_many_launches_may_run_out_of_memory():
+    from zenithtune.job import memory_limits
+
+    assert memory_limits(make_job("grid")) == ("memory: at most 2 launches may run out of memory (max_ooms), none "
+                                               "past the memory screen; after that only what a run that fit proves fits")
+    assert "at most 2 launches may run out of memory (max_ooms), 1 of them past the memory screen (memory probes)" \
+        in memory_limits(make_job("heuristic"))
+    assert "at most 1 launch may run out of memory (max_ooms), 1 of them past" in \
+        memory_limits(make_job("staged_blackbox", extra=("max_ooms=1",)))
