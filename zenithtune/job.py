@@ -73,14 +73,15 @@ class Setting:
         # and one needing at least as much as a run that ran out does not (dominance.py)
         ran = dominated_by(self.space, cand, self.fit_runs)
         fit_proof = None if ran is None else f"needs no more memory than trial {ran.trial_number}, which fit"
-        # a bound from a measured run stands in for structure once the OOM budget is spent; it does not
-        # overrule the memory model (two kinds of evidence that disagree: the candidate is not launched)
-        bound_proof = None if fit_proof is not None or mem.oom else self._bound_proof(lay, cand)
+        # a bound from a measured run's peaks stands in for structure (past the OOM budget too), and, as
+        # evidence, beats the learned model's screen: a run far below its estimate makes its neighbours
+        # launchable (issue 19 1b); an OOM it would have proven makes it more pessimistic, then silent
+        bound_proof = None if fit_proof is not None else self._bound_proof(lay, cand)
         bad = None if ran is not None else dominated_by(self.space, cand, self.oom_runs, below=False)
         oom_dominated = None if bad is None else (f"needs at least as much memory as trial {bad.trial_number}, "
                                                   f"which ran out of memory (same or narrower split and "
                                                   f"recompute, mbs >= its)")
-        if fit_proof is not None:
+        if fit_proof is not None or bound_proof is not None:
             mem = replace(mem, oom_risk=0.0, oom=None)
         if not reasons and mem.oom:
             reasons = [(MEMORY_RULE, mem.oom)]
