@@ -251,3 +251,18 @@ def test_sizes_and_durations_read_back_from_a_study_db_are_numbers_or_nothing():
     assert o is not None and o.ok and o.candidate == {"tp": 2}
     assert (o.measured_gb, o.reserved_gb, o.needed_gb, o.predicted_gb) == (None,) * 4
     assert o.duration == 12.0
+
+
+def test_two_slowed_runs_of_three_do_not_outvote_the_healthy_one():
+    """A straggler slows a run down; nothing speeds one up: a candidate's score is the median of its runs
+    within 10 % of its fastest (record.central), so 343 / 507 / 338 TFLOP/s is 507, not 343."""
+    from zenithtune.record import Outcome, best_of, central
+
+    assert central([343.0, 507.2, 337.8], "maximize") == 507.2
+    assert central([100.0, 98.0, 97.0], "maximize") == 98.0  # within the noise: the median
+    assert central([2.0, 3.1, 2.04], "minimize") == 2.02  # seconds per iteration: the slow one is the large one
+    a = [Outcome(candidate={"tp": 1}, state="complete", value=v, launched=True, trial_number=i)
+         for i, v in enumerate((343.0, 507.2, 337.8))]
+    b = Outcome(candidate={"tp": 2}, state="complete", value=461.5, launched=True, trial_number=3)
+    best = best_of([*a, b], "maximize")
+    assert best is not None and best.candidate == {"tp": 1} and best.value == 507.2

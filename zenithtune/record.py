@@ -255,10 +255,27 @@ def budget_used(outcomes: Iterable[Outcome]) -> int:
     return sum(1 for o in outcomes if o.counts)
 
 
+STRAGGLER = 0.10  # a repeat this much slower than a candidate's fastest run was slowed by something else
+
+
+def central(values: list[float], direction: str) -> float:
+    """One candidate's score from its repeated measurements: the median of those within STRAGGLER of its
+    best. Noise on a throughput is one-sided where it is large: a straggler node, a checkpoint, a busy
+    filesystem slow a run down, nothing speeds one up past its configuration, so two slowed runs out of
+    three must not outvote the healthy one (a median would)."""
+    if direction == "maximize":
+        top = max(values)
+        kept = [v for v in values if v >= top * (1 - STRAGGLER)]
+    else:
+        top = min(values)
+        kept = [v for v in values if v <= top * (1 + STRAGGLER)]
+    return float(statistics.median(kept))
+
+
 def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:
-    """The complete outcome of the candidate with the best median score. A candidate measured several
-    times (`Proposal.repeat`) counts once, at the median of its scores: returned as its measurement
-    nearest that median, carrying the median as its value."""
+    """The complete outcome of the candidate with the best score. A candidate measured several times
+    (`Proposal.repeat`) counts once, at `central` of its scores (the median of its runs that no
+    straggler slowed): returned as its measurement nearest that value, carrying it as its value."""
     groups: dict[str, list[Outcome]] = {}
     for o in outcomes:
         if o.ok:
@@ -266,7 +283,7 @@ def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:
     if not groups:
         return None
     sign = 1.0 if direction == "maximize" else -1.0
-    medians = {k: statistics.median(float(o.value) for o in g) for k, g in groups.items()}  # type: ignore[arg-type]
+    medians = {k: central([float(o.value) for o in g], direction) for k, g in groups.items()}  # type: ignore[arg-type]
     key = max(groups, key=lambda k: sign * medians[k])
     group, median = groups[key], medians[key]
     if len(group) == 1:

@@ -32,7 +32,8 @@ How it chooses (each launch says which of these made it):
    among those the learned memory model gives at most `probe_risk` of running out.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster.
-6. Noise: a candidate measured more than once counts at the median of its measurements. Within
+6. Noise: a candidate measured more than once counts at the median of its measurements that no
+   straggler slowed (`record.central`: within 10 % of its fastest run). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
    predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from zenithtune.record import central
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -276,7 +278,7 @@ class HeuristicStrategy(Strategy):
         self.stop_reason = ""
         self._pending = list(pending)
         tried = self.tried_keys(pending)  # told, or pending in this wave (parallel_trials): the next best
-        reps = self._reps()  # one outcome per measured candidate, at the median of its measurements
+        reps = self._reps()  # one outcome per measured candidate, at the median of its unslowed measurements
         ok = list(reps.values())
         if not ok:
             return self._first(tried)
@@ -408,12 +410,13 @@ class HeuristicStrategy(Strategy):
     # --- noise: repeats -----------------------------------------------------------------------------
     def _reps(self) -> dict[tuple, Outcome]:
         """One outcome per measured candidate, in the order the candidates were first measured; one
-        measured more than once carries the median of its usable measurements as its value."""
+        measured more than once carries `record.central` of its usable measurements as its value (the
+        median of those no straggler slowed)."""
         groups: dict[tuple, list[Outcome]] = {}
         for o in self.history:
             if self._usable(o):
                 groups.setdefault(self.space.key(o.candidate), []).append(o)
-        return {k: g[0] if len(g) == 1 else replace(g[-1], value=float(np.median([float(o.value) for o in g])))  # type: ignore[arg-type]
+        return {k: g[0] if len(g) == 1 else replace(g[-1], value=central([float(o.value) for o in g], self.direction))  # type: ignore[arg-type]
                 for k, g in groups.items()}
 
     def _counts(self) -> dict[tuple, int]:
