@@ -163,7 +163,12 @@ def test_a_study_stops_stable_trials_records_them_complete_and_reports_the_time_
         assert t.user_attrs["saved_s"] == pytest.approx(99.6)  # (1000 - 4) iterations x 100 ms
         info = read_run(log.with_name("trial.json"))
         assert info is not None and info.note is not None and info.note.startswith("stopped early after 4 values, ")
-        assert json.loads(log.with_name("trial.json").read_text())["stopped_after"] == 4
+        written = json.loads(log.with_name("trial.json").read_text())
+        printed = _printed(log)
+        mid = statistics.median(printed)
+        assert written["stopped_after"] == 4 and written["n_values"] == 4
+        assert written["spread"] == pytest.approx(statistics.median(abs(v - mid) for v in printed) / mid)
+        assert t.user_attrs["spread"] == pytest.approx(written["spread"], abs=1e-5)
     assert "stop_when_stable: 2 trials stopped once stable, about 0:03:19 of trial time saved" in r.stdout, r.stdout
 
 
@@ -184,3 +189,22 @@ def test_bad_stop_when_stable_values_are_one_line(tmp_path: Path, override: str,
     r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "n_trials=1", override)
     assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def test_analyze_shows_the_spread_and_the_early_stop() -> None:
+    from rich.console import Console
+
+    from zenithtune.analyze import _table
+
+    rows = [Outcome({"tp": 1}, "complete", 105.0, launched=True, trial_number=0, spread=0.0123, n_values=4,
+                    stopped_after=4, duration=0.5),
+            Outcome({"tp": 2}, "failed", kind="oom", reasons=["CUDA out of memory"], launched=True, trial_number=1)]
+    console = Console(width=200, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(_table(rows, rows[0], "TFLOP/s/GPU"))
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if "TFLOP/s/GPU" in line)
+    assert header.index("TFLOP/s/GPU") < header.index("spread") < header.index("failure / reason")
+    assert "1.2%" in text and "stopped once stable after 4 values (stop_when_stable)" in text
+    old = [Outcome({"tp": 1}, "complete", 105.0, launched=True, trial_number=0)]  # recorded before spreads were
+    console.print(_table(old, old[0], "TFLOP/s/GPU"))
+    assert "spread" not in console.export_text()

@@ -159,6 +159,9 @@ class Evaluator(abc.ABC):
        :class:`NoMetric` (nothing to read: kind ``no_metric``) or :class:`BadMetric` (a metric that
        is no score: nan, inf, 0 or below: kind ``bad_metric``), with a one-line reason that says how
        to get a usable metric. Subclasses implement :meth:`measure`; :meth:`result` checks it.
+    5. **Spread.** :meth:`kept` returns the values after warm-up the score came from: their
+       :func:`spread` is recorded with the trial, and ``stop_when_stable`` polls the last k of them
+       while the command runs (an evaluator that keeps none is never stopped early).
 
     :meth:`evaluate` runs steps 3–4 over a whole output at once (tests, re-scoring a trial.log): the
     same output always gives the same score.
