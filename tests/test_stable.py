@@ -208,3 +208,26 @@ def test_analyze_shows_the_spread_and_the_early_stop() -> None:
     old = [Outcome({"tp": 1}, "complete", 105.0, launched=True, trial_number=0)]  # recorded before spreads were
     console.print(_table(old, old[0], "TFLOP/s/GPU"))
     assert "spread" not in console.export_text()
+
+
+def test_a_trial_stopped_early_sets_no_dynamic_time_limit() -> None:
+    """Its short wall time says nothing about how long a whole run takes: were it the fastest success,
+    timeout_dynamic would cut the next trial that runs to its end."""
+    from test_strategies import make_job
+
+    from zenithtune.loop import StudyLoop
+
+    job = make_job("grid", extra=("timeout_dynamic=true", "timeout_dynamic_factor=3", "timeout_dynamic_floor=1"))
+    limits: list[float | None] = []
+
+    def launch(number: int, cand: dict, limit: float | None) -> Launched:
+        limits.append(limit)
+        if number == 0:  # stopped once stable after 2 s
+            return Launched(100.0, duration=2.0, n_values=4, stopped_after=4, saved_s=60.0)
+        return Launched(90.0, duration=10.0, n_values=8)  # ran to its end
+
+    study = optuna.create_study(direction="maximize", sampler=job.strategy.sampler())
+    loop = StudyLoop(job, study, launch)
+    loop.start([])
+    loop.run(3)
+    assert limits == [None, None, 30.0]  # not 3 x 2 s after the stopped trial; 3 x 10 s after the whole one

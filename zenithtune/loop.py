@@ -123,7 +123,7 @@ class StudyLoop:
         self.job.observe(o)  # the judge learns (memory, refused features) before the strategy is told
         if o.launched:
             self.measured.setdefault(self.job.space.key(o.candidate), o)  # a repeat names the first
-            if o.ok and o.duration:
+            if o.ok and o.duration and o.stopped_after is None:  # stopped once stable: says nothing of a whole run
                 self.durations.append(float(o.duration))
 
     def _sync(self) -> None:
