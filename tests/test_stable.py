@@ -3,6 +3,7 @@ is stable (a success, not a timeout), with the time it saved in the study footer
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -170,6 +171,7 @@ def test_a_study_stops_stable_trials_records_them_complete_and_reports_the_time_
         assert written["spread"] == pytest.approx(statistics.median(abs(v - mid) for v in printed) / mid)
         assert t.user_attrs["spread"] == pytest.approx(written["spread"], abs=1e-5)
     assert "stop_when_stable: 2 trials stopped once stable, about 0:03:19 of trial time saved" in r.stdout, r.stdout
+    assert re.search(r"\[1/2\] trial 0 .* -> [\d.]+ TFLOP/s/GPU \(stopped once stable after 4 values\)", r.stdout)
 
 
 def test_a_study_runs_an_unstable_trial_to_its_end(tmp_path: Path) -> None:

@@ -188,7 +188,8 @@ class Progress(Callbacks):
         if o.ok and o.value is not None:
             if self.best is None or (o.value > self.best if self.direction == "maximize" else o.value < self.best):
                 self.best = o.value
-            res = f"-> {o.value:g} {self.metric}"
+            res = f"-> {o.value:g} {self.metric}" + (f" (stopped once stable after {o.stopped_after} values)"
+                                                     if o.stopped_after is not None else "")
         else:
             res = clip(f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}")
         best = f"best {self.best:g}" if self.best is not None else "best -"
