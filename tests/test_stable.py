@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 from test_faults import REPO, SHAPE_ARGS, zt  # tests/ is on sys.path under pytest
 
 from zenithtune.app import stable_rule
-from zenithtune.evaluate import IterationTime, MegatronThroughput, SwiftSpeed, TrainingClock, spread, stable
+from zenithtune.evaluate import IterationTime, MegatronThroughput, NoMetric, SwiftSpeed, TrainingClock, spread, stable
 from zenithtune.progress import saved_line
 from zenithtune.record import Attr, Launched, Outcome, facts, outcome_of, read_run
 from zenithtune.run import classify, run
@@ -53,11 +53,15 @@ def test_stable_needs_the_last_k_values_within_x_of_their_median(values, k, with
     assert stable(values, k, within) is expected
 
 
-def test_megatron_throughput_scores_the_median_by_default_and_keeps_the_values_after_warm_up() -> None:
+def test_megatron_throughput_scores_the_median_after_warm_up_by_default() -> None:
+    # few logged values, the first one warm-up: the median of all four would lean on it (402.5), the last
+    # value alone on one interval; the default drops it and takes the median of the rest
     out = "\n".join([meg(1, 300.0), meg(2, 400.0), meg(3, 410.0), meg(4, 405.0)])
-    assert MegatronThroughput().evaluate(out) == 402.5
-    ev = MegatronThroughput(skip_first=1)
+    ev = MegatronThroughput()
     assert ev.evaluate(out) == 405.0 and ev.kept() == [400.0, 410.0, 405.0] and ev.kept(2) == [410.0, 405.0]
+    assert MegatronThroughput(skip_first=0).evaluate(out) == 402.5
+    with pytest.raises(NoMetric, match="found 1 TFLOP/s/GPU value\\(s\\) but skip_first=1 drops them all"):
+        MegatronThroughput().evaluate(meg(1, 300.0))  # a single logged value is warm-up: refused, not scored
     it = IterationTime(64, 8, skip_first=1)
     it.evaluate(out)
     assert it.kept() == [80.0, 80.0, 80.0]  # 64 samples / 0.1 s / 8 GPUs each
@@ -114,8 +118,9 @@ def test_footer_line_sums_the_time_saved() -> None:
 def test_a_stable_metric_stops_a_command_that_would_hang(tmp_path: Path) -> None:
     ev = MegatronThroughput()
     ev.begin()
-    # three stable values after a warm-up one, then the trainer sleeps for an hour: only the rule ends it
-    res = run([sys.executable, STABLE, "--values", "50,100,101,100", "--hang"], log_path=tmp_path / "trial.log",
+    # the warm-up value (skipped), an outlier, then three stable values; then the trainer sleeps for an
+    # hour: only the rule ends it
+    res = run([sys.executable, STABLE, "--values", "10,50,100,101,100", "--hang"], log_path=tmp_path / "trial.log",
               timeout=600, on_line=ev.feed, enough=stable_rule(StableConf(k=3, within=0.02), ev))
     assert res.stopped_early == ("stop_when_stable: the last 3 of 4 TFLOP/s/GPU values after warm-up lie "
                                  "within 2.0% of their median")
@@ -128,7 +133,7 @@ def test_a_stable_metric_stops_a_command_that_would_hang(tmp_path: Path) -> None
 def test_an_unstable_metric_runs_to_its_end(tmp_path: Path) -> None:
     ev = MegatronThroughput()
     ev.begin()
-    res = run([sys.executable, STABLE, "--values", "50,100,130,80,120"], log_path=tmp_path / "trial.log",
+    res = run([sys.executable, STABLE, "--values", "10,50,100,130,80,120"], log_path=tmp_path / "trial.log",
               timeout=600, on_line=ev.feed, enough=stable_rule(StableConf(k=3, within=0.02), ev))
     assert res.stopped_early is None and res.returncode == 0 and classify(res) is None
     assert ev.result() == 105.0 and len(ev.kept()) == 5
@@ -150,7 +155,7 @@ def _printed(log: Path) -> list[float]:
 
 def test_a_study_stops_stable_trials_records_them_complete_and_reports_the_time_saved(tmp_path: Path) -> None:
     r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=2", "storage=s/study.db",
-           "stop_when_stable.k=3", "--", sys.executable, STABLE, "--values", "50,100,101,100", "--hang", *SHAPE_ARGS)
+           "stop_when_stable.k=3", "--", sys.executable, STABLE, "--values", "10,50,100,101,100", "--hang", *SHAPE_ARGS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     trials = _trials(tmp_path / "s" / "study.db")
     assert len(trials) >= 2
@@ -159,24 +164,24 @@ def test_a_study_stops_stable_trials_records_them_complete_and_reports_the_time_
     for t in launched:
         log = tmp_path / "s" / f"trial_{t.number}" / "trial.log"
         assert t.state == TrialState.COMPLETE and "kind" not in t.user_attrs, t.user_attrs
-        assert t.value == statistics.median(_printed(log))  # the median of what it printed before the stop
+        assert t.value == statistics.median(_printed(log)[1:])  # the median of what it printed after warm-up
         assert t.user_attrs["stopped_after"] == 4 and t.user_attrs["n_values"] == 4
-        assert t.user_attrs["saved_s"] == pytest.approx(99.6)  # (1000 - 4) iterations x 100 ms
+        assert t.user_attrs["saved_s"] == pytest.approx(99.5)  # (1000 - 5) iterations x 100 ms
         info = read_run(log.with_name("trial.json"))
         assert info is not None and info.note is not None and info.note.startswith("stopped early after 4 values, ")
         written = json.loads(log.with_name("trial.json").read_text())
-        printed = _printed(log)
+        printed = _printed(log)[1:]
         mid = statistics.median(printed)
         assert written["stopped_after"] == 4 and written["n_values"] == 4
         assert written["spread"] == pytest.approx(statistics.median(abs(v - mid) for v in printed) / mid)
         assert t.user_attrs["spread"] == pytest.approx(written["spread"], abs=1e-5)
-    assert "stop_when_stable: 2 trials stopped once stable, about 0:03:19 of trial time saved" in r.stdout, r.stdout
+    assert "stop_when_stable: 2 trials stopped once stable, about 0:03:19 of trial time saved" in r.stdout, r.stdout  # 2 x 99.5 s
     assert re.search(r"\[1/2\] trial 0 .* -> [\d.]+ TFLOP/s/GPU \(stopped once stable after 4 values\)", r.stdout)
 
 
 def test_a_study_runs_an_unstable_trial_to_its_end(tmp_path: Path) -> None:
     r = zt(tmp_path, "-m", "n_gpus=8", "gbs=64", "strategy=grid", "n_trials=1", "storage=s/study.db",
-           "stop_when_stable.k=3", "--", sys.executable, STABLE, "--values", "50,100,130,80,120", *SHAPE_ARGS)
+           "stop_when_stable.k=3", "--", sys.executable, STABLE, "--values", "10,50,100,130,80,120", *SHAPE_ARGS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (t,) = [t for t in _trials(tmp_path / "s" / "study.db") if t.user_attrs.get("launched")]
     assert t.state == TrialState.COMPLETE and "stopped_after" not in t.user_attrs and t.user_attrs["n_values"] == 5

@@ -324,7 +324,12 @@ class _PatternEvaluator(Evaluator):
 
 
 class MegatronThroughput(_PatternEvaluator):
-    """Megatron's ``throughput per GPU (TFLOP/s/GPU): X`` (model FLOPs per GPU per second), maximized."""
+    """Megatron's ``throughput per GPU (TFLOP/s/GPU): X`` (model FLOPs per GPU per second), maximized.
+
+    By default the median of the values after the first logged one (``skip_first=1``: it carries
+    compilation, allocator growth and NCCL setup; a median over few values would still lean on it).
+    A command that logs a single value needs ``skip_first=0``: it is refused, not quietly scored by its
+    warm-up."""
 
     direction: Direction = "maximize"
     metric_name = "TFLOP/s/GPU"
@@ -333,7 +338,7 @@ class MegatronThroughput(_PatternEvaluator):
     _bad_hint = ("; use evaluator=iteration_time, which scores by 'elapsed time per iteration (ms)' "
                  "(always printed) instead")
 
-    def __init__(self, selector: Selector = "median", skip_first: int = 0) -> None:
+    def __init__(self, selector: Selector = "median", skip_first: int = 1) -> None:
         super().__init__(rf"throughput per GPU \(TFLOP/s/GPU\):\s*({_NUMBER}|nan|inf|-inf)",
                          selector=selector, skip_first=skip_first)
 
