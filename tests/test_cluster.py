@@ -364,7 +364,7 @@ def test_a_nodes_clean_up_spares_the_other_nodes_of_its_trial_on_the_same_host(t
         "        time.sleep(0.05)\n"
         "print(' throughput per GPU (TFLOP/s/GPU): 101.0 |', flush=True)\n")
     with initialize_config_module("zenithtune.conf"):
-        cfg = compose("config", overrides=["n_gpus=8", "gbs=64"])
+        cfg = compose("config", overrides=["n_gpus=8", "gbs=64", "evaluator.skip_first=0"])
     with open_dict(cfg):
         cfg.command = [sys.executable, str(script)]
         cfg.params = {"tp": 1, "pp": 1, "cp": 1, "mbs": 1, "recompute_granularity": "none"}
