@@ -122,7 +122,7 @@ def _killed_tuner(tmp: Path) -> str | None:
 
 @case("200 MB of output, log_max_mb=50", "#10.3")
 def _big_log(tmp: Path) -> str | None:
-    res, score = scored(MegatronThroughput(), ["tflops=10.0", "noise=200e6", "tflops=20.0"], tmp)
+    res, score = scored(MegatronThroughput(selector="last", skip_first=0), ["tflops=10.0", "noise=200e6", "tflops=20.0"], tmp)
     size = (tmp / "trial.log").stat().st_size
     if size > 50.2e6:
         return f"trial.log is {size / 1e6:.0f} MB"
@@ -160,7 +160,7 @@ def _disk_fills(tmp: Path) -> str | None:
 
 @case("metric, then 3 MB of ordinary lines", "#10.4")
 def _metric_then_noise(tmp: Path) -> str | None:
-    _, score = scored(MegatronThroughput(), ["tflops=321.0", "noise=3e6"], tmp)
+    _, score = scored(MegatronThroughput(selector="last", skip_first=0), ["tflops=321.0", "noise=3e6"], tmp)
     return None if score == 321.0 else f"got {score}"
 
 
@@ -168,7 +168,7 @@ _RSS = """
 import resource, sys
 from zenithtune.evaluate import MegatronThroughput
 from zenithtune.run import run
-ev = MegatronThroughput(selector="mean")
+ev = MegatronThroughput(selector="mean", skip_first=0)
 run(sys.argv[1:], log_path=None, timeout=600, on_line=ev.feed)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, ev.result())
 """
@@ -190,7 +190,7 @@ def _huge_line(tmp: Path) -> str | None:
 
 def _bad(value: str) -> Callable[[Path], str | None]:
     def check(tmp: Path) -> str | None:
-        _, got = scored(MegatronThroughput(), [f"tflops={value}"] * 3, tmp)
+        _, got = scored(MegatronThroughput(selector="last", skip_first=0), [f"tflops={value}"] * 3, tmp)
         if not isinstance(got, tuple) or got[0] is not FailureKind.BAD_METRIC:
             return f"got {got}"
         return "misleading --log-throughput hint" if "--log-throughput" in got[1] else None
@@ -203,7 +203,7 @@ for _value in ("nan", "inf", "0.0", "-1.0"):
 
 @case("CUDA out of memory printed, exit 0", "#10.10")
 def _oom_exit_0(tmp: Path) -> str | None:
-    _, got = scored(MegatronThroughput(), ["tflops=100.0", "oom", "noise=3e6"], tmp)
+    _, got = scored(MegatronThroughput(selector="last", skip_first=0), ["tflops=100.0", "oom", "noise=3e6"], tmp)
     return None if isinstance(got, tuple) and got[0] is FailureKind.OOM else f"got {got}"
 
 
@@ -217,7 +217,7 @@ def _iteration_time(tmp: Path) -> str | None:
 
 def _separated(value: str) -> Callable[[Path], str | None]:
     def check(tmp: Path) -> str | None:
-        _, got = scored(MegatronThroughput(), ["tflops=100.0", f"tflops={value}", "tflops=100.0"], tmp)
+        _, got = scored(MegatronThroughput(selector="last", skip_first=0), ["tflops=100.0", f"tflops={value}", "tflops=100.0"], tmp)
         if not isinstance(got, tuple) or got[0] is not FailureKind.BAD_METRIC or repr(value) not in got[1]:
             return f"got {got} (a prefix of {value!r} was read as a score)"
         return None
@@ -230,7 +230,7 @@ for _value in ("1,234.5", "1 234", "12.5.3"):
 
 @case("a metric at the end of a 3 MB line, no final newline", "#21.5")
 def _metric_after_long_line(tmp: Path) -> str | None:
-    ev = MegatronThroughput()
+    ev = MegatronThroughput(selector="last", skip_first=0)
     code = "import sys; sys.stdout.write('x' * 3_000_000 + ' throughput per GPU (TFLOP/s/GPU): 123.4 |')"
     res = run([sys.executable, "-c", code], log_path=tmp / "trial.log", timeout=120, on_line=ev.feed)
     try:

@@ -327,7 +327,7 @@ def test_trials_as_submitit_jobs_including_a_cancelled_and_a_timed_out_one(tmp_p
                  "n_trials=3", "parallel_trials=3", "timeout=8", "fail_fast=0",
                  # the trainer's model has no shape, so no candidate is proven to fit: with the default OOM
                  # budget (2) a wave could hold only 2 of them, and this test is about one wave of 3 jobs
-                 "max_ooms=3",
+                 "max_ooms=3", "evaluator.skip_first=0",  # its one metric line is no warm-up
                  "--", sys.executable, str(tmp_path / "trainer.py"))
     out, err = p.communicate(timeout=400)
     assert p.returncode == 0, err[-3000:]
@@ -364,7 +364,7 @@ def test_a_nodes_clean_up_spares_the_other_nodes_of_its_trial_on_the_same_host(t
         "        time.sleep(0.05)\n"
         "print(' throughput per GPU (TFLOP/s/GPU): 101.0 |', flush=True)\n")
     with initialize_config_module("zenithtune.conf"):
-        cfg = compose("config", overrides=["n_gpus=8", "gbs=64"])
+        cfg = compose("config", overrides=["n_gpus=8", "gbs=64", "evaluator.skip_first=0"])
     with open_dict(cfg):
         cfg.command = [sys.executable, str(script)]
         cfg.params = {"tp": 1, "pp": 1, "cp": 1, "mbs": 1, "recompute_granularity": "none"}

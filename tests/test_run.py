@@ -405,7 +405,7 @@ def test_a_metric_at_the_end_of_a_long_line_is_read(tmp_path, size, newline) -> 
     """Issue 21 item 5: a line past LINE_MAX used to lose its end, and with it a metric printed there."""
     from zenithtune.evaluate import MegatronThroughput
 
-    ev = MegatronThroughput()
+    ev = MegatronThroughput(skip_first=0)
     code = f"import sys; sys.stdout.write('x' * {size} + ' throughput per GPU (TFLOP/s/GPU): 123.4 |' + {newline!r})"
     res = run([sys.executable, "-c", code], log_path=tmp_path / "trial.log", timeout=60, on_line=ev.feed)
     assert res.returncode == 0 and ev.result() == 123.4

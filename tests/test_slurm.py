@@ -79,8 +79,9 @@ SHAPE = ["--num-layers=32", "--hidden-size=4096", "--ffn-hidden-size=14336", "--
          "--group-query-attention", "--num-query-groups=8", "--seq-length=8192", "--max-position-embeddings=8192",
          "--vocab-size=128256", "--swiglu", "--bf16", "--use-distributed-optimizer", "--log-throughput"]
 # What the local cluster can run: no GPUs, one core per task.
+# The trainer prints one metric line: no warm-up line to drop (evaluator.skip_first=0).
 FITS = ["hydra/launcher=slurm", "slurm.gpus=false", "slurm.cpus_per_task=1", "fail_fast=0", "strategy=grid",
-        "gbs=8"]
+        "gbs=8", "evaluator.skip_first=0"]
 
 
 def _env() -> dict[str, str]:

@@ -84,6 +84,8 @@ def _row(o: Outcome, keys: list[str]) -> tuple[list[str], str, str, str]:
     value = f"{o.value:g}" if o.ok and o.value is not None else ""
     dur = f"{o.duration:.1f}" if o.duration is not None else ""
     reasons = "; ".join(str(r) for r in o.reasons) if o.state in ("failed", "pruned") else ""
+    if o.ok and o.stopped_after is not None:
+        reasons = f"stopped once stable after {o.stopped_after} values (stop_when_stable)"
     return [str(o.candidate.get(k, "")) for k in keys], value, dur, reasons
 
 
@@ -98,13 +100,18 @@ def _table(outcomes: list[Outcome], best: Outcome | None, metric: str) -> Any:
     for k in keys:
         table.add_column(SHORT.get(k, k), justify="right")
     table.add_column(metric, justify="right")
+    spreads = any(o.spread is not None for o in outcomes)  # studies recorded before spreads were: no column
+    if spreads:
+        table.add_column("spread", justify="right")  # MAD / median of the trial's values after warm-up
     table.add_column("s", justify="right")
     table.add_column("failure / reason", overflow="ellipsis", no_wrap=True, max_width=70)
     for o in outcomes:
         cells, value, dur, reasons = _row(o, keys)
         is_best = best is not None and o.trial_number == best.trial_number
         style = "bold green" if is_best else {"failed": "red", "pruned": "dim"}.get(o.state)
-        table.add_row(f"{o.trial_number}{' *' if is_best else ''}", _state(o), *cells, value, dur, reasons, style=style)
+        spread = [f"{o.spread:.1%}" if o.spread is not None and o.ok else ""] if spreads else []
+        table.add_row(f"{o.trial_number}{' *' if is_best else ''}", _state(o), *cells, value, *spread, dur, reasons,
+                      style=style)
     return table
 
 

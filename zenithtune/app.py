@@ -11,17 +11,18 @@ from __future__ import annotations
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from zenithtune import signals
 from zenithtune.errors import UserError
-from zenithtune.evaluate import NoMetric, PeakMemory, memory_evidence
+from zenithtune.evaluate import Evaluator, NoMetric, PeakMemory, TrainingClock, memory_evidence, spread, stable
 from zenithtune.inject import inject
 from zenithtune.job import build_setting, screen_params
 from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Launched, write_run
 from zenithtune.run import FailureKind, classify, run
-from zenithtune.settings import ZenithtuneConf, build, trial_params, wrapped_command
+from zenithtune.settings import StableConf, ZenithtuneConf, build, trial_params, wrapped_command
 from zenithtune.slurm import node_suffix
 from zenithtune.space import options_for
 from zenithtune.validate import Layout, required_env
@@ -49,9 +50,24 @@ def compose(conf: ZenithtuneConf) -> tuple[list[str], dict[str, str]]:
     return argv, required_env(lay)
 
 
-def _feed_both(evaluator: Any, memory: PeakMemory, line: str) -> None:
+def _feed_all(evaluator: Any, memory: PeakMemory, clock: TrainingClock, line: str) -> None:
     evaluator.feed(line)
     memory.feed(line)
+    clock.feed(line)
+
+
+def stable_rule(rule: StableConf, evaluator: Evaluator) -> Callable[[], str | None] | None:
+    """What run() polls to end a trial whose metric is stable (stop_when_stable); None when it is off."""
+    if not rule.k:
+        return None
+
+    def enough() -> str | None:
+        if not stable(evaluator.kept(rule.k), rule.k, rule.within):
+            return None
+        return (f"stop_when_stable: the last {rule.k} of {len(evaluator.kept())} {evaluator.metric_name} values "
+                f"after warm-up lie within {rule.within:.1%} of their median")
+
+    return enough
 
 
 def task(conf: ZenithtuneConf, out_dir: Path) -> float:
@@ -84,10 +100,12 @@ def _measure(conf: ZenithtuneConf, out_dir: Path, argv: list[str], env: dict[str
     # killed tuner left running with processes.kill_leftovers(<trial dir>). Node k > 0 of a multi-node job
     # adds its suffix: its clean-up after its own command exits must not kill node 0's command when two
     # "nodes" share a host (one machine running several slurmd, or a node's tasks sharing a host).
+    clock = TrainingClock()  # how many iterations a trial stopped early had left
     res = run(argv, log_path=log_path, timeout=conf.timeout, env=env,
               echo=(lambda line: print(line, flush=True)) if conf.echo else None,
-              on_line=lambda line: _feed_both(evaluator, memory, line),
-              trial_id=str(out_dir) + node_suffix(), log_max_mb=conf.log_max_mb, stop=signals.pending)
+              on_line=lambda line: _feed_all(evaluator, memory, clock, line),
+              trial_id=str(out_dir) + node_suffix(), log_max_mb=conf.log_max_mb, stop=signals.pending,
+              enough=stable_rule(conf.stop_when_stable, evaluator))
     failure = classify(res)
     score = None
     if res.interrupted:
@@ -104,6 +122,11 @@ def _measure(conf: ZenithtuneConf, out_dir: Path, argv: list[str], env: dict[str
                       measured_gb=peak / 1024.0 if peak else None, reserved_gb=evidence.get("reserved_gb"),
                       needed_gb=evidence.get("needed_gb"), argv=argv, env=env, log=str(log_path),
                       process=res.process.to_dict() if res.process else None, metric=evaluator.metric_name)
+    kept = evaluator.kept()
+    report.spread, report.n_values = spread(kept), len(kept) or None
+    if res.stopped_early:  # a success: the score is the median of what it printed so far
+        report.stopped_after, report.saved_s = len(kept), clock.left_s()
+        report.note = f"stopped early after {len(kept)} values, {res.duration:.1f} s: {res.stopped_early}"
     write_run(info_path, report)
     if res.interrupted:
         raise KeyboardInterrupt

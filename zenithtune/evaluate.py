@@ -5,7 +5,8 @@ warm-up, and reduces the rest to one number with a *selector*:
 
 * ``last``     — the last value (the seed's rule; Megatron's own per-interval numbers are already averages)
 * ``mean``     — arithmetic mean
-* ``median``   — robust to one slow interval (a checkpoint save, a straggler)
+* ``median``   — robust to one slow interval (a checkpoint save, a straggler); the default of
+  ``megatron_throughput``
 * ``harmonic`` — the right mean for rates (TFLOP/s, it/s): the rate of the whole run at equal work
   per interval
 
@@ -14,6 +15,12 @@ Built in: ``megatron_throughput`` (TFLOP/s/GPU, needs --log-throughput), ``itera
 ``swift_speed`` (ms-swift's s/it) and ``regex`` (any number, your pattern). They are fed the output
 line by line while the command runs and keep only the values, so a metric anywhere in gigabytes of
 output counts. A score is a finite number > 0, or the trial fails (``no_metric`` / ``bad_metric``).
+
+Besides the score, a trial records how much its values moved: :func:`spread` of the values after
+warm-up (:meth:`Evaluator.kept`), and how many there were. :func:`stable` is the rule
+``stop_when_stable`` ends a trial by (its last k values within x of their median), and
+:class:`TrainingClock` reads Megatron's ``iteration N/ M`` lines to say how long a trial stopped
+that way would still have run.
 
 Evaluators are instantiated by Hydra from ``conf/evaluator/*.yaml`` (``_target_``).
 """
@@ -31,7 +38,8 @@ from typing import Literal, get_args
 from zenithtune.run import FailureKind
 
 __all__ = ["Evaluator", "NoMetric", "BadMetric", "below_precision", "MegatronThroughput", "IterationTime", "SwiftSpeed", "Regex",
-           "select", "peak_memory_mb", "PeakMemory", "Direction", "Selector", "SELECTORS"]
+           "select", "spread", "stable", "peak_memory_mb", "PeakMemory", "TrainingClock", "Direction", "Selector",
+           "SELECTORS"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +117,28 @@ def select(values: Sequence[float], selector: Selector = "last", skip_first: int
     return statistics.harmonic_mean(kept)
 
 
+def spread(values: Sequence[float]) -> float | None:
+    """How much a trial's values moved: their median absolute deviation over their median (0.01 = the
+    typical value lies 1 % from the median). Robust to the one slow interval a checkpoint save makes.
+    None for fewer than two values or a median that is not > 0 (no relative spread)."""
+    if len(values) < 2:
+        return None
+    mid = statistics.median(values)
+    if not math.isfinite(mid) or mid <= 0:
+        return None
+    return float(statistics.median(abs(v - mid) for v in values) / mid)
+
+
+def stable(values: Sequence[float], k: int, within: float) -> bool:
+    """Whether the last ``k`` values all lie within ``within`` (a fraction: 0.02 = 2 %) of their median:
+    the rule ``stop_when_stable`` ends a trial by. Fewer than ``k`` values are never stable."""
+    if k < 1 or len(values) < k:
+        return False
+    last = list(values[-k:])
+    mid = statistics.median(last)
+    return math.isfinite(mid) and mid > 0 and all(abs(v - mid) <= within * mid for v in last)
+
+
 class Evaluator(abc.ABC):
     """Reads one trial's output, line by line as the command prints it, and returns its score.
 
@@ -129,6 +159,9 @@ class Evaluator(abc.ABC):
        :class:`NoMetric` (nothing to read: kind ``no_metric``) or :class:`BadMetric` (a metric that
        is no score: nan, inf, 0 or below: kind ``bad_metric``), with a one-line reason that says how
        to get a usable metric. Subclasses implement :meth:`measure`; :meth:`result` checks it.
+    5. **Spread.** :meth:`kept` returns the values after warm-up the score came from: their
+       :func:`spread` is recorded with the trial, and ``stop_when_stable`` polls the last k of them
+       while the command runs (an evaluator that keeps none is never stopped early).
 
     :meth:`evaluate` runs steps 3–4 over a whole output at once (tests, re-scoring a trial.log): the
     same output always gives the same score.
@@ -147,6 +180,13 @@ class Evaluator(abc.ABC):
     @abc.abstractmethod
     def measure(self) -> float:
         """The score from what was fed; raises NoMetric / BadMetric when there is none."""
+
+    def kept(self, last: int | None = None) -> list[float]:
+        """The values after warm-up the score is made of, as fed so far, or only the ``last`` of them
+        (their :func:`spread` is recorded with the trial; ``stop_when_stable`` watches the last k while
+        the command runs, from another thread). An evaluator that keeps no values returns [] (no spread,
+        never stopped early)."""
+        return []
 
     def result(self) -> float:
         """:meth:`measure`, refused unless it is a finite number > 0 (BadMetric)."""
@@ -269,12 +309,27 @@ class _PatternEvaluator(Evaluator):
                             f"{self._bad_hint}")
         return kept
 
+    def _series(self) -> Sequence[float]:
+        """The values the score is selected from (SwiftSpeed: its per-interval speeds)."""
+        return self._values
+
+    def kept(self, last: int | None = None) -> list[float]:
+        series = self._series()
+        n = len(series)  # the reader thread may append meanwhile: slice up to what was there
+        start = self.skip_first if last is None else max(self.skip_first, n - last)
+        return list(series[start:n])
+
     def measure(self) -> float:
         return select(self._kept(self._values), self.selector, 0, what=self.metric_name)
 
 
 class MegatronThroughput(_PatternEvaluator):
-    """Megatron's ``throughput per GPU (TFLOP/s/GPU): X`` (model FLOPs per GPU per second), maximized."""
+    """Megatron's ``throughput per GPU (TFLOP/s/GPU): X`` (model FLOPs per GPU per second), maximized.
+
+    By default the median of the values after the first logged one (``skip_first=1``: it carries
+    compilation, allocator growth and NCCL setup; a median over few values would still lean on it).
+    A command that logs a single value needs ``skip_first=0``: it is refused, not quietly scored by its
+    warm-up."""
 
     direction: Direction = "maximize"
     metric_name = "TFLOP/s/GPU"
@@ -283,7 +338,7 @@ class MegatronThroughput(_PatternEvaluator):
     _bad_hint = ("; use evaluator=iteration_time, which scores by 'elapsed time per iteration (ms)' "
                  "(always printed) instead")
 
-    def __init__(self, selector: Selector = "last", skip_first: int = 0) -> None:
+    def __init__(self, selector: Selector = "median", skip_first: int = 1) -> None:
         super().__init__(rf"throughput per GPU \(TFLOP/s/GPU\):\s*({_NUMBER}|nan|inf|-inf)",
                          selector=selector, skip_first=skip_first)
 
@@ -384,14 +439,13 @@ class SwiftSpeed(_PatternEvaluator):
         self._intervals.append((elapsed - self._prev_elapsed) / (step - self._prev_step))
         self._prev_step, self._prev_elapsed = step, elapsed
 
+    def _series(self) -> Sequence[float]:
+        return self._intervals if self.per_interval and self._values and not self._stepless else self._values
+
     def measure(self) -> float:
-        values: Sequence[float] = self._values
-        if self.per_interval and self._values:
-            if self._stepless:
-                log.warning("SwiftSpeed: no step field next to train_speed; using ms-swift's running averages as logged")
-            else:
-                values = self._intervals
-        return select(self._kept(values), self.selector, 0, what=self.metric_name)
+        if self.per_interval and self._values and self._stepless:
+            log.warning("SwiftSpeed: no step field next to train_speed; using ms-swift's running averages as logged")
+        return select(self._kept(self._series()), self.selector, 0, what=self.metric_name)
 
     def values(self, output: str) -> list[float]:
         super().values(output)
@@ -444,6 +498,38 @@ def peak_memory_mb(output: str) -> float | None:
     for line in output.splitlines():
         mem.feed(line)
     return mem.result()
+
+
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+_ITERATION_MS = re.compile(rf"elapsed time per iteration \(ms\):\s*({_NUMBER})")
+
+
+class TrainingClock:
+    """How far a Megatron run got and how long its iterations take, fed line by line like an evaluator:
+    the last ``iteration N/ M`` and every ``elapsed time per iteration (ms)``. A run stopped early
+    would still have run (M - N) x the median iteration time (:meth:`left_s`)."""
+
+    def __init__(self) -> None:
+        self.done: int | None = None
+        self.total: int | None = None
+        self._ms = array("d")
+
+    def feed(self, line: str) -> None:
+        if "iteration" not in line:  # the common case, cheaply
+            return
+        it = _ITERATION.search(line)
+        if it is not None:
+            self.done, self.total = int(it.group(1)), int(it.group(2))
+        ms = _ITERATION_MS.search(line)
+        if ms is not None:
+            self._ms.append(float(ms.group(1)))
+
+    def left_s(self) -> float | None:
+        """Seconds the iterations not run yet would take; None when the output said too little."""
+        ms = [v for v in self._ms if math.isfinite(v) and v > 0]
+        if self.done is None or self.total is None or not ms:
+            return None
+        return max(0, self.total - self.done) * statistics.median(ms) / 1000.0
 
 
 # --- memory evidence for the memory model (zenithtune.memory.MemoryModel) ---------------------------

@@ -123,7 +123,7 @@ class StudyLoop:
         self.job.observe(o)  # the judge learns (memory, refused features) before the strategy is told
         if o.launched:
             self.measured.setdefault(self.job.space.key(o.candidate), o)  # a repeat names the first
-            if o.ok and o.duration:
+            if o.ok and o.duration and o.stopped_after is None:  # stopped once stable: says nothing of a whole run
                 self.durations.append(float(o.duration))
 
     def _sync(self) -> None:
@@ -465,7 +465,7 @@ class StudyLoop:
     def _record(self, p: Pending, res: Launched, started: float) -> Outcome:
         outcome = replace(self._base(p), duration=res.duration if res.duration is not None else time.time() - started,
                           measured_gb=res.measured_gb, reserved_gb=res.reserved_gb, needed_gb=res.needed_gb,
-                          argv=res.argv, env=res.env, log=res.log)
+                          argv=res.argv, env=res.env, log=res.log, **record.facts(res))
         if res.value is not None:
             outcome = replace(outcome, state="complete", value=float(res.value))
             record.store(p.trial, outcome)

@@ -67,6 +67,18 @@ def _interactive(out: TextIO) -> bool:
     return tty and Console(file=out).is_interactive
 
 
+def saved_line(stopped: list[Outcome]) -> str:
+    """The footer's line on trials stop_when_stable ended: how many, and the trial time saved, estimated
+    from the iterations each had left ((M - N) x its median iteration time, from Megatron's lines)."""
+    known = [o.saved_s for o in stopped if o.saved_s is not None]
+    n = len(stopped)
+    line = f"stop_when_stable: {n} trial{'s' if n > 1 else ''} stopped once stable"
+    if not known:
+        return line + "; time saved unknown (no 'iteration N/ M' lines with an iteration time)"
+    unknown = f"; {n - len(known)} without 'iteration N/ M' lines not counted" if len(known) < n else ""
+    return line + f", about {_clock(sum(known))} of trial time saved (their iterations left x median iteration time{unknown})"
+
+
 class Progress(Callbacks):
     def __init__(self, total: int, metric: str, direction: str, out: TextIO | None = None,
                  interactive: bool | None = None, clock: Callable[[], float] = time.monotonic):
@@ -179,7 +191,8 @@ class Progress(Callbacks):
         if o.ok and o.value is not None:
             if self.best is None or (o.value > self.best if self.direction == "maximize" else o.value < self.best):
                 self.best = o.value
-            res = f"-> {o.value:g} {self.metric}"
+            res = f"-> {o.value:g} {self.metric}" + (f" (stopped once stable after {o.stopped_after} values)"
+                                                     if o.stopped_after is not None else "")
         else:
             res = clip(f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}")
         best = f"best {self.best:g}" if self.best is not None else "best -"
@@ -215,6 +228,9 @@ class Progress(Callbacks):
         fails = "".join(f", {n} {k}" for k, n in record.kind_counts(launched).most_common())
         self.line(f"done ({why}): {len(launched)} launched ({complete} complete{fails}), {self.pruned} proposals "
                   f"pruned before launch, {_clock(time.time() - self.start)}")
+        stopped = [o for o in launched if o.ok and o.stopped_after is not None]
+        if stopped:
+            self.line(saved_line(stopped))
         if best is not None:
             self.line(f"best: trial {best.trial_number}  {describe(best.candidate)}  {best.value:g} {self.metric}")
             if best.argv:

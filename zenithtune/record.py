@@ -59,6 +59,10 @@ class Attr:
     RETRY_OF = "retry_of"  # the trial (cancelled under it) whose candidate this one runs again
     RECOVERED_FROM = "recovered_from"  # the dead tuner's trial whose finished Slurm job this one records
     REPEAT_OF = "repeat_of"  # a measured candidate launched again (noise): the trial it repeats
+    SPREAD = "spread"  # how much the trial's values after warm-up moved: their MAD / median (evaluate.spread)
+    N_VALUES = "n_values"  # how many values after warm-up the score was taken from
+    STOPPED_AFTER = "stopped_after"  # stop_when_stable ended the command after this many values (a success)
+    SAVED_S = "saved_s"  # seconds the stopped command would still have run (its iterations left x median time)
 
 
 @dataclass
@@ -81,6 +85,10 @@ class Outcome:
     stage: str | None = None
     probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
     repeat_of: int | None = None  # a repeated measurement of this trial's candidate (Proposal.repeat)
+    spread: float | None = None  # MAD / median of the values after warm-up (0.01: they lie ~1 % apart)
+    n_values: int | None = None  # values after warm-up the score was taken from
+    stopped_after: int | None = None  # stop_when_stable ended it after this many values; None: ran to its end
+    saved_s: float | None = None  # seconds a stopped trial would still have run (estimated; None: unknown)
     why: str = ""  # the strategy's reason for proposing it
     argv: list[str] | None = None
     env: dict[str, str] | None = None
@@ -115,6 +123,11 @@ class Launched:
     log: str | None = None
     process: dict[str, Any] | None = None  # processes.TrialProcess: finds the trial's processes again
     metric: str | None = None  # the score's unit (the evaluator's metric_name), e.g. TFLOP/s/GPU
+    spread: float | None = None  # MAD / median of the values after warm-up
+    n_values: int | None = None  # values after warm-up
+    stopped_after: int | None = None  # stop_when_stable ended the command after this many values
+    saved_s: float | None = None  # seconds it would still have run (iterations left x median iteration time)
+    note: str | None = None  # how the run ended when that is no failure, e.g. "stopped early after 5 values, 42.0 s"
 
 
 def write_run(path: Path, run: Launched) -> None:
@@ -140,6 +153,8 @@ def store(trial: optuna.Trial, o: Outcome) -> None:
         Attr.MEASURED_GB: None if o.measured_gb is None else round(o.measured_gb, 2),
         Attr.RESERVED_GB: None if o.reserved_gb is None else round(o.reserved_gb, 2),
         Attr.NEEDED_GB: None if o.needed_gb is None else round(o.needed_gb, 2),
+        Attr.SPREAD: None if o.spread is None else round(o.spread, 5), Attr.N_VALUES: o.n_values,
+        Attr.STOPPED_AFTER: o.stopped_after, Attr.SAVED_S: None if o.saved_s is None else round(o.saved_s, 1),
     }
     for key, value in attrs.items():
         if value is not None:
@@ -152,6 +167,17 @@ def _amount(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         return None
     return float(value)
+
+
+def _count(value: Any) -> int | None:
+    """A stored count, or None unless it is a whole number >= 0 (a study db is untrusted input)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def facts(run: Launched) -> dict[str, Any]:
+    """The measurement facts of a launched run an Outcome carries as they are (`replace(outcome, **facts(run))`)."""
+    return {"spread": _amount(run.spread), "n_values": _count(run.n_values),
+            "stopped_after": _count(run.stopped_after), "saved_s": _amount(run.saved_s)}
 
 
 def outcome_of(t: FrozenTrial) -> Outcome | None:
@@ -176,6 +202,8 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         reserved_gb=_amount(a.get(Attr.RESERVED_GB)), needed_gb=_amount(a.get(Attr.NEEDED_GB)), trial_number=t.number,
         stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
         repeat_of=a.get(Attr.REPEAT_OF) if isinstance(a.get(Attr.REPEAT_OF), int) else None,
+        spread=_amount(a.get(Attr.SPREAD)), n_values=_count(a.get(Attr.N_VALUES)),
+        stopped_after=_count(a.get(Attr.STOPPED_AFTER)), saved_s=_amount(a.get(Attr.SAVED_S)),
         argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT),
         started=t.datetime_start, finished=t.datetime_complete)
 
@@ -205,6 +233,7 @@ def _stock_outcome(t: FrozenTrial, folder: Path | None) -> Outcome:
     if run is not None:
         o.duration, o.argv, o.env, o.log = _amount(run.duration), run.argv, run.env, run.log
         o.measured_gb = _amount(run.measured_gb)
+        o = replace(o, **facts(run))
     if state == "failed":
         o.kind = (run.kind if run is not None else None) or FailureKind.CRASH.value
         o.reasons = [run.reason if run is not None and run.reason else

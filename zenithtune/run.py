@@ -94,11 +94,12 @@ class RunResult:
     oom_line: str | None = None  # the first out-of-memory line anywhere in the output (the tail may not have it)
     feed_error: str | None = None  # on_line raised: the evaluator saw only part of the output
     lines: int = 0  # lines read
+    stopped_early: str | None = None  # why ``enough`` ended it (its metric was stable): a success, not a timeout
 
     @property
     def succeeded(self) -> bool:
-        return (self.returncode == 0 and not self.timed_out and not self.interrupted
-                and self.log_error is None)
+        return ((self.returncode == 0 or self.stopped_early is not None) and not self.timed_out
+                and not self.interrupted and self.log_error is None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,7 +360,7 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
         echo: Callable[[str], None] | None = None, grace: float = 5.0,
         on_line: Callable[[str], None] | None = None, log_max_mb: float | None = LOG_MAX_MB,
         trial_id: str | None = None, on_start: Callable[[TrialProcess], None] | None = None,
-        stop: Callable[[], bool] | None = None) -> RunResult:
+        stop: Callable[[], bool] | None = None, enough: Callable[[], str | None] | None = None) -> RunResult:
     """Run ``argv`` (no shell) to completion, timeout or Ctrl-C; never leaves a process behind.
 
     ``env`` is merged over ``os.environ``; PYTHONUNBUFFERED=1 is added unless set, so Python trainers
@@ -374,6 +375,9 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
     ``stop`` is polled while the command runs: True kills it the same way (``interrupted=True``); a
     caller that holds a stop signal instead of raising it (:func:`zenithtune.signals.deferred`) passes
     :func:`zenithtune.signals.pending`, so a signal landing after the command exited leaves its result whole.
+    ``enough`` is polled the same way: a reason (``stop_when_stable``: the metric is stable) ends the
+    command as a timeout does (SIGTERM, ``grace``, SIGKILL) and the run counts as a success, with
+    ``stopped_early`` set to that reason.
     """
     _check_limits(timeout, log_max_mb)
     marker = trial_id or uuid.uuid4().hex
@@ -406,13 +410,15 @@ def run(argv: list[str], *, log_path: Path | None, timeout: float | None,
 
     process = TrialProcess.started(marker, proc.pid)
     reader = _start_reader(proc, sink)
-    timed_out, interrupted = _supervise(proc, reader, sink, process, deadline=None if timeout is None else start + timeout,
-                                        timeout=timeout, grace=grace, stop=stop, on_start=on_start)
+    ended = _supervise(proc, reader, sink, process, deadline=None if timeout is None else start + timeout,
+                       timeout=timeout, grace=grace, stop=stop, on_start=on_start, enough=enough)
+    timed_out, interrupted = ended == "timeout", ended == "interrupted"
+    early = ended if ended not in (None, "timeout", "interrupted") else None
     duration = time.monotonic() - start
-    _footer(sink, log, timed_out, interrupted, proc.returncode, duration)
+    _footer(sink, log, ended, proc.returncode, duration)
     return RunResult(list(argv), proc.returncode, sink.output(), duration, timed_out, interrupted, log_path,
                      process=process, log_error=sink.log_error, oom_line=sink.oom_line,
-                     feed_error=sink.feed_error, lines=sink.lines)
+                     feed_error=sink.feed_error, lines=sink.lines, stopped_early=early)
 
 
 def _check_limits(timeout: float | None, log_max_mb: float | None) -> None:
@@ -469,11 +475,13 @@ def _start_reader(proc: subprocess.Popen[bytes], sink: _Sink) -> threading.Threa
 
 def _supervise(proc: subprocess.Popen[bytes], reader: threading.Thread, sink: _Sink, process: TrialProcess, *,
                deadline: float | None, timeout: float | None, grace: float, stop: Callable[[], bool] | None,
-               on_start: Callable[[TrialProcess], None] | None) -> tuple[bool, bool]:
-    """Hand ``on_start`` the trial's processes, wait for the command's exit, its deadline, a stop or a
-    failed log write; then make sure every process of the trial is gone and the output read. Returns
-    (timed_out, interrupted)."""
-    timed_out = interrupted = False
+               on_start: Callable[[TrialProcess], None] | None,
+               enough: Callable[[], str | None] | None = None) -> str | None:
+    """Hand ``on_start`` the trial's processes, wait for the command's exit, its deadline, a stop,
+    ``enough`` or a failed log write; then make sure every process of the trial is gone and the output
+    read. Returns how it ended when zenithtune ended it: "timeout", "interrupted", or ``enough``'s
+    reason; None when the command exited (or the log failed)."""
+    ended: str | None = None
     marker = process.marker
     try:
         try:
@@ -482,9 +490,9 @@ def _supervise(proc: subprocess.Popen[bytes], reader: threading.Thread, sink: _S
                     on_start(process)
                 except Exception as exc:  # not being able to record it is no reason to lose the trial
                     sink.note(f"# zenithtune: could not record the trial's processes ({exc!r})")
-            timed_out = _wait(proc, sink, deadline, timeout, grace, stop)
+            ended = _wait(proc, sink, deadline, timeout, grace, stop, enough)
         except KeyboardInterrupt:
-            interrupted = True
+            ended = "interrupted"
             sink.note("# zenithtune: interrupted (Ctrl-C): killing every process of the trial")
         if proc.returncode is not None and not sink.failed.is_set():
             reader.join(timeout=0.5)  # let the last lines arrive before looking for leftovers
@@ -492,39 +500,43 @@ def _supervise(proc: subprocess.Popen[bytes], reader: threading.Thread, sink: _S
                 sink.note("# zenithtune: the command exited but left processes behind; killing them")
         kill_tree(marker, proc.pid, grace, poll=proc.poll)  # after a normal exit this only reaps leftovers
     except KeyboardInterrupt:  # Ctrl-C while killing: finish the kill, then report
-        interrupted = True
+        ended = "interrupted"
         kill_tree(marker, proc.pid, 0.0, poll=proc.poll)
     proc.wait()
     reader.join(timeout=max(grace, 1.0))
     if reader.is_alive():
         sink.note("# zenithtune: output pipe still held by a process that is not the trial's; not waiting for it")
-    return timed_out, interrupted
+    return ended
 
 
 def _wait(proc: subprocess.Popen[bytes], sink: _Sink, deadline: float | None, timeout: float | None, grace: float,
-          stop: Callable[[], bool] | None) -> bool:
-    """Until the command exits, the log fails, ``stop`` says so (KeyboardInterrupt) or the deadline
-    passes (returns True: timed out)."""
+          stop: Callable[[], bool] | None, enough: Callable[[], str | None] | None = None) -> str | None:
+    """Until the command exits, the log fails, ``stop`` says so (KeyboardInterrupt), ``enough`` gives a
+    reason (returned) or the deadline passes (returns "timeout")."""
     while proc.poll() is None:
         if sink.failed.is_set():
             sink.note("# zenithtune: stopping the command: the log cannot be written")
-            return False
+            return None
         if stop is not None and stop():
             raise KeyboardInterrupt
+        reason = enough() if enough is not None else None
+        if reason:
+            sink.note(f"# zenithtune: {reason}: SIGTERM to every process of the trial, SIGKILL after {grace:g} s")
+            return reason
         if deadline is not None and time.monotonic() >= deadline:
             sink.note(f"# zenithtune: no exit after {timeout:g} s: SIGTERM to every process of the "
                       f"trial, SIGKILL after {grace:g} s")
-            return True
+            return "timeout"
         sink.failed.wait(0.05)
-    return False
+    return None
 
 
-def _footer(sink: _Sink, log: _CappedLog | None, timed_out: bool, interrupted: bool, code: int | None,
-            duration: float) -> None:
+def _footer(sink: _Sink, log: _CappedLog | None, ended: str | None, code: int | None, duration: float) -> None:
     """The log's last lines (how the run ended), then the log closed with its tail put back."""
-    status = (f"timed out after {duration:.1f} s" if timed_out else
-              "interrupted" if interrupted else
-              f"stopped: {sink.log_error}" if sink.log_error else f"exit code {code} after {duration:.1f} s")
+    status = (f"timed out after {duration:.1f} s" if ended == "timeout" else
+              "interrupted" if ended == "interrupted" else
+              f"stopped: {sink.log_error}" if sink.log_error else
+              f"stopped early after {duration:.1f} s ({ended})" if ended else f"exit code {code} after {duration:.1f} s")
     sink.note("# " + "-" * 70)
     sink.note(f"# result: {status}")
     with sink.lock:

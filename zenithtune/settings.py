@@ -38,6 +38,14 @@ class SlurmConf:
 
 
 @dataclass
+class StableConf:
+    """stop_when_stable: end a trial once its metric is stable instead of running the command to its end."""
+
+    k: int = 0  # values after warm-up that must agree; 0 = off (every command runs to its end)
+    within: float = 0.02  # how closely: each of the last k values within this fraction of their median
+
+
+@dataclass
 class ZenithtuneConf:
     """Every top-level key of conf/config.yaml with its type (values and comments: config.yaml)."""
 
@@ -71,6 +79,7 @@ class ZenithtuneConf:
     save_tuned: Optional[str] = None  # also write conf/tuned/<name>.yaml
     echo: bool = MISSING  # stream each trial's output to the console
     log_max_mb: Optional[float] = None  # cap on each trial.log (head + tail kept); None = no cap
+    stop_when_stable: StableConf = field(default_factory=lambda: StableConf())  # end a trial once its metric is stable
     slurm: SlurmConf = field(default_factory=lambda: SlurmConf())  # hydra/launcher=slurm: what each job asks for
     # --- the wrapped command
     command: list[str] = MISSING
@@ -152,6 +161,8 @@ def load(cfg: DictConfig) -> ZenithtuneConf:
         raise UserError(f"{key}: {str(e).splitlines()[0]}") from None
     if isinstance(data.get("slurm"), dict):
         data["slurm"] = SlurmConf(**data["slurm"])
+    if isinstance(data.get("stop_when_stable"), dict):
+        data["stop_when_stable"] = StableConf(**data["stop_when_stable"])
     conf = ZenithtuneConf(**data)
     check(conf)
     return conf
@@ -216,6 +227,7 @@ def check(conf: ZenithtuneConf) -> None:
                             + ("; leave it out (null) for no limit" if key == "timeout" else ""))
     _positive_float(conf, "gpu_memory_gb", "gpu_memory_gb=80", optional=True, unit="GB")
     _positive_float(conf, "log_max_mb", "log_max_mb=50", optional=True, unit="MB")
+    _check_stable(conf.stop_when_stable)
     margin = conf.memory_safety_margin
     if not (math.isfinite(margin) and -0.5 < margin < 1.0):
         raise UserError(f"memory_safety_margin={margin!r} must be a fraction between -0.5 and 1 (e.g. 0.02)")
@@ -225,6 +237,16 @@ def check(conf: ZenithtuneConf) -> None:
                         f"e.g. save_tuned=llama8b_8xh100; it is written to conf/tuned/<name>.yaml")
     if not conf.study_name:
         raise UserError("study_name is empty: give the Optuna study a name (default zenithtune)")
+
+
+def _check_stable(st: StableConf) -> None:
+    if isinstance(st.k, bool) or not isinstance(st.k, int) or st.k < 0 or st.k == 1:
+        raise UserError(f"stop_when_stable.k={st.k!r} must be 0 (off) or a whole number >= 2 of values that must "
+                        f"agree (e.g. stop_when_stable.k=5)")
+    within = st.within
+    if isinstance(within, bool) or not isinstance(within, (int, float)) or not (math.isfinite(within) and 0 < within < 1):
+        raise UserError(f"stop_when_stable.within={within!r} must be a fraction between 0 and 1: how close the last k "
+                        f"values must lie to their median (e.g. stop_when_stable.within=0.02 for 2 %)")
 
 
 def wrapped_command(conf: ZenithtuneConf) -> list[str]:

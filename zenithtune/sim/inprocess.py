@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from zenithtune.evaluate import Evaluator, NoMetric, memory_evidence
+from zenithtune.evaluate import Evaluator, NoMetric, memory_evidence, spread
 from zenithtune.inject import inject
 from zenithtune.record import Launched
 from zenithtune.run import FailureKind
@@ -45,6 +45,8 @@ def launcher(command: list[str], space: Space, evaluator: Evaluator, *, truth: d
         if res.kind == "ok":
             try:
                 run = Launched(evaluator.evaluate(res.stdout), duration=res.wall_seconds)
+                kept = evaluator.kept()
+                run.spread, run.n_values = spread(kept), len(kept) or None
             except NoMetric as e:
                 run = Launched(None, e.kind.value, str(e), res.wall_seconds)
         else:
