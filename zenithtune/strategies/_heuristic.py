@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from zenithtune.run import FailureKind
-from zenithtune.space import LAYOUT_PARAMS
+from zenithtune.space import LAYOUT_KEYS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._speed import LEVEL_SD, SpeedModel
@@ -68,8 +68,9 @@ CONTRADICTED = 0.5
 UNANCHORED_SD = 0.1  # the doubt (log) on a prediction made only from the prior at the others' level
 
 
-def _lay(c: dict) -> tuple:
-    return tuple(c.get(k) for k in LAYOUT_PARAMS)
+def _lay(c: dict, vp: bool = True) -> tuple:
+    """The layout a candidate runs (its virtual pipeline size included unless `vp` is False)."""
+    return tuple(c.get(k) for k in LAYOUT_KEYS if vp or k != "vp")
 
 
 def _rec(c: dict) -> tuple:
@@ -514,9 +515,13 @@ class HeuristicStrategy(Strategy):
 
     # --- one line of why ----------------------------------------------------------------------------
     def _role(self, c: dict, best: dict) -> str:
-        if _lay(c) != _lay(best):
-            return f"layout {self._layout_note(c)}"
         parts = []
+        if _lay(c, vp=False) != _lay(best, vp=False):
+            return f"layout {self._layout_note(c)}"
+        if c.get("vp") != best.get("vp"):
+            v = int(c.get("vp") or 1)
+            parts.append(f"vp {best.get('vp')}->{c.get('vp')}" + (f" (interleaved: bubble /{v}, {v}x the p2p sends)"
+                                                                  if v > 1 else " (not interleaved)"))
         if c.get("mbs") != best.get("mbs"):
             parts.append(f"mbs {best.get('mbs')}->{c.get('mbs')}")
         if _rec(c) != _rec(best) or c.get("recompute_num_layers") != best.get("recompute_num_layers"):
@@ -527,11 +532,13 @@ class HeuristicStrategy(Strategy):
 
     def _layout_note(self, c: dict) -> str:
         ctx, m = self.ctx, self.ctx.model
-        notes = [" ".join(f"{k}={c[k]}" for k in LAYOUT_PARAMS if k in c)]
+        notes = [" ".join(f"{k}={c[k]}" for k in LAYOUT_KEYS if k in c)]
         if c.get("tp", 1) > 1:
             notes.append(f"tp{c['tp']} inside a node")
         if c.get("pp", 1) > 1:
             notes.append(f"pp{c['pp']} to fit" + (" / cross nodes" if ctx.n_gpus > ctx.gpus_per_node else ""))
+        if (c.get("vp") or 1) > 1:
+            notes.append(f"vp{c['vp']} interleaved: bubble /{c['vp']}")
         if c.get("cp", 1) > 1:
             notes.append(f"cp{c['cp']} for {m.seq_length} tokens" if m.seq_length else f"cp{c['cp']}")
         if c.get("ep", 1) > 1:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from zenithtune.run import FailureKind
-from zenithtune.space import LAYOUT_PARAMS
+from zenithtune.space import LAYOUT_KEYS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 
 if TYPE_CHECKING:
@@ -343,10 +343,10 @@ class StagedBlackboxStrategy(Strategy):
                 if self._streak >= self.patience:
                     lay = self._rng.choice(self._untried_layouts())
                     return Proposal(dict(lay), why="stage 1: TPE repeated itself; an untried layout at random, "
-                                    "at memory-safe settings", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
+                                    "at memory-safe settings", stage=LAYOUT_STAGE, sample=LAYOUT_KEYS,
                                     complete=self._safe_settings)
                 return Proposal({}, why="stage 1: TPE picks the layout, at memory-safe settings",
-                                stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS, complete=self._safe_settings)
+                                stage=LAYOUT_STAGE, sample=LAYOUT_KEYS, complete=self._safe_settings)
             self._stage1_done = True
             self._streak = 0
         best = self.best()
@@ -376,7 +376,7 @@ class StagedBlackboxStrategy(Strategy):
 
 def _layout(space, cand: dict) -> tuple:
     n = space.normalize(cand)
-    return tuple((k, n[k]) for k in LAYOUT_PARAMS if k in n)
+    return tuple((k, n[k]) for k in LAYOUT_KEYS if k in n)
 
 
 def _rec(c: dict) -> str:
