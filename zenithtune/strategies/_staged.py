@@ -375,7 +375,11 @@ class StagedBlackboxStrategy(Strategy):
 
 
 def _layout(space, cand: dict) -> tuple:
+    """The layout of a candidate as (name, value) pairs; vp=1 at pp=1 where the space searches vp, so that
+    every layout has the same dimensions and pp 1 <-> 2 is one step (normalize drops it again)."""
     n = space.normalize(cand)
+    if space.vp_name and space.vp_name not in n:
+        n[space.vp_name] = 1
     return tuple((k, n[k]) for k in LAYOUT_KEYS if k in n)
 
 
