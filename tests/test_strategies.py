@@ -513,15 +513,12 @@ def test_heuristic_measures_again_what_noise_could_have_decided_and_says_why_it_
     assert why.startswith("strategy exhausted: ") and len(why) > len("strategy exhausted: ")
 
 
-def test_staged_counts_pp_1_to_2_as_one_layout_step_with_vp_searched():
-    # a pp=1 layout has no virtual size: staged_blackbox's layouts carry vp=1 there, so the step from the
-    # best (pp=2, vp=1) to pp=1 is one move and the values of every dimension compare (no None among ints)
-    from zenithtune.strategies._staged import _layout
-    job = make_job("staged_blackbox", n_gpus=32, gbs=64)
-    study(job, 1)
-    base = {"tp": 1, "cp": 1, "mbs": 1, "recompute_granularity": "none"}
-    flat, piped = _layout(job.space, {**base, "pp": 1}), _layout(job.space, {**base, "pp": 2, "vp": 1})
-    assert dict(flat)["vp"] == 1 and "vp" not in job.space.normalize(dict(flat))
-    assert job.strategy._adjacent(dict(flat), dict(piped)) == 1
-    assert job.strategy._adjacent(dict(piped), dict(flat)) == 1
-    assert job.strategy._adjacent(dict(_layout(job.space, {**base, "pp": 2, "vp": 3})), dict(flat)) == 2
+def test_staged_runs_layouts_without_interleaving_and_tunes_vp_with_the_settings():
+    # stage 1's memory-safe settings run no interleaving (vp=1 holds the fewest activations); the virtual
+    # pipeline size is one of the settings stage 2 tunes on a pipelined layout
+    job = make_job("staged_blackbox", n_gpus=32, gbs=64, extra=("strategy.stage1_trials=8",))
+    loop, _ = study(job, 40)
+    runs = launched(loop)
+    assert all(o.candidate.get("vp", 1) == 1 for o in runs if o.stage == "layout")
+    assert any(o.candidate["pp"] > 1 for o in runs if o.stage == "layout")
+    assert any(o.candidate.get("vp", 1) > 1 for o in runs if o.stage == "settings")

@@ -33,9 +33,10 @@ When = Literal["always", "moe", "vlm", "full_recompute", "pipeline"]
 WHENS = ("always", "moe", "vlm", "full_recompute", "pipeline")
 
 LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
-# The layout as the strategies group candidates: the parallel sizes and the virtual pipeline size, which
-# changes the schedule (bubble, p2p sends, activation memory) as much as a size does. (The enumeration
-# fixes `vp` with mbs, since its rule reads the micro-batch count: LAYOUT_PARAMS stays the sizes.)
+# The layout as the heuristic groups candidates (a crash, an MBS ladder, the granularity check): the
+# parallel sizes and the virtual pipeline size, which changes the schedule (bubble, p2p sends, activation
+# memory). The enumeration fixes `vp` with mbs, since its rule reads the micro-batch count, and
+# staged_blackbox and the calibration's per-layout term treat it as a setting: LAYOUT_PARAMS stays the sizes.
 LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "etp")
 RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 # What each rule reads of a candidate, so the enumeration runs it as soon as that much is fixed:
@@ -200,17 +201,23 @@ class Space:
             return self._pp(cand) > 1
         return cand.get("recompute_granularity") == "full"
 
+    def applies_vp(self, cand: Mapping[str, Any]) -> bool:
+        """Does this space search a virtual pipeline size for this (partial) candidate?"""
+        return self.vp_name is not None and self.applies(self.vp_name, cand)
+
     def _pp(self, cand: Mapping[str, Any]) -> int:
         """The pipeline size a candidate runs: its own, else the command's (a preset not searching pp)."""
         return int(cand.get("pp") or dict(self.ctx.flags.sizes).get("pp") or 1)
 
-    def normalize(self, cand: Mapping[str, Any]) -> Candidate:
-        """Keep only the parameters that apply, in the preset's order."""
+    def normalize(self, cand: Mapping[str, Any], fill: bool = True) -> Candidate:
+        """Keep only the parameters that apply, in the preset's order. `fill`: a pipelined candidate
+        without a virtual pipeline size runs vp=1 and says so (False for a partial candidate whose
+        missing values are still to be chosen)."""
         full = cand.get("recompute_granularity") == "full"
         ok = self._applies_now
         vp = self.vp_name
         piped = vp is not None and self._pp(cand) > 1
-        if vp is not None and piped and vp not in cand:
+        if fill and vp is not None and piped and vp not in cand:
             # a hand-made candidate (a strategy's, a tuned file's from before vp existed) runs no interleaving
             cand = {**cand, vp: 1}
         return {k: cand[k] for k in self.params if k in cand and ok.get(k, piped if k == vp else full)}

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from zenithtune.space import LAYOUT_KEYS
+from zenithtune.space import LAYOUT_PARAMS
 
 LEVEL_SD = 0.3  # the prior's absolute level (log scale): it already includes a typical efficiency
 SIZE_SD = 0.05  # per doubling of a parallel size or the micro-batch
@@ -64,8 +64,11 @@ class Residual:
     def __init__(self, cands: Sequence[dict], *, gpus_per_node: int, n_gpus: int, num_layers: int):
         self._phi = np.array([features(c, gpus_per_node=gpus_per_node, n_gpus=n_gpus, num_layers=num_layers)
                               for c in cands], dtype=float).reshape(len(cands), len(_SD))
+        # the per-layout term is over the parallel sizes only: the virtual pipeline sizes of one layout share
+        # it (the prior models what vp changes, the bubble and the p2p sends; log2(vp) is a feature), so a
+        # measurement at vp=1 tells about vp=5 of the same layout (benchmarks/search.py: fewer launches)
         layouts: dict[tuple, int] = {}
-        self._lay = np.array([layouts.setdefault(tuple(c.get(k) for k in LAYOUT_KEYS), len(layouts))
+        self._lay = np.array([layouts.setdefault(tuple(c.get(k) for k in LAYOUT_PARAMS), len(layouts))
                               for c in cands], dtype=int)
         self._w = _SD ** 2
 
