@@ -1,6 +1,6 @@
 """Does the search stay good on trainers whose physics the tuner's models do not share?
 
-    python benchmarks/robustness.py                  # 11 scenarios x 4 flavours x noise off/on x heuristic, staged_blackbox
+    python benchmarks/robustness.py                  # 12 scenarios x 4 flavours x noise off/on x heuristic, staged_blackbox
     python benchmarks/robustness.py --write          # also write benchmarks/results/robustness.md
     python benchmarks/robustness.py --quick          # 3 scenarios x 2 flavours, noisy, heuristic, 1 seed (~2-3 min on one core)
     python benchmarks/robustness.py --strategies heuristic --flavours stand_in --noise on --seeds 3 --trace
@@ -126,6 +126,8 @@ CASES = (
     Case(Scenario("dense-34b-32xh100-slownet", "dense 34B (48 L, h 8192, GQA 8), s=4k, 32 H100, gbs 128, "
                   "4x slower network", _DENSE_34B, 32, 128, 4096), "slow_network=0.25"),
     Case(Scenario("llama3-70b-64xh100", "Llama-3-70B, s=4k, 64 H100, gbs 128", _LLAMA3_70B, 64, 128, 4096)),
+    Case(Scenario("llama3-70b-64xh100-s8k", "Llama-3-70B, s=8k, 64 H100, gbs 128 (plain simulator: TP4 PP4 CP2 VP5 wins)",
+                  _LLAMA3_70B, 64, 128, 8192)),
     Case(Scenario("dense-32k-16xh100", "Llama-3-8B shape, s=32k (needs CP), 16 H100, gbs 16", _LLAMA3_8B, 16, 16,
                   32768, quick=True)),
     Case(Scenario("moe-8e-top2-8xh200", "MoE 8 experts top-2 (16 L, h 4096, expert ffn 8192), s=8k, 8 H200, gbs 64",

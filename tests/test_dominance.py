@@ -43,6 +43,11 @@ L = 32  # layers
      "ETP following TP to 4: routed copies per GPU do not fall (inputs are gathered over ETP)"),
     (lay(tp=2, mbs=2, sequence_parallel=False), lay(tp=2, mbs=2), False, "sequence parallelism off"),
     (lay(tp=2, pp=2, mbs=2, vpp_size=2), lay(tp=2, mbs=2), False, "interleaving multiplies what is in flight"),
+    (lay(tp=2, pp=4, mbs=1, vpp_size=4), lay(tp=2, pp=4, mbs=1, vpp_size=2), False,
+     "another virtual size is never compared (the searched vp: a fit at vp=2 proves nothing at vp=4)"),
+    (lay(tp=2, pp=4, mbs=1), lay(tp=2, pp=4, mbs=1, vpp_size=2), False, "interleaved against not interleaved"),
+    (lay(tp=2, pp=4, mbs=1, vpp_size=4), lay(tp=2, pp=4, mbs=2, vpp_size=4), True,
+     "the same virtual size at a smaller micro-batch"),
 ])
 def test_needs_no_more(a, b, expected, why):
     assert needs_no_more(a, b, num_layers=L) is expected, why

@@ -372,3 +372,85 @@ def test_ms_swift_launcher_variables_are_checked_against_the_settings():
         check_command(argv, n_gpus=8, evaluator_target="zenithtune.evaluate.SwiftSpeed")
     check_command(argv, n_gpus=2, evaluator_target="zenithtune.evaluate.SwiftSpeed")
     check_command(SWIFT, n_gpus=N_GPUS, evaluator_target="zenithtune.evaluate.SwiftSpeed")
+
+
+# --- the virtual pipeline size as a searched parameter (issue 23 item 1) ------------------------------
+
+def test_the_searched_virtual_size_offers_only_what_megatron_accepts():
+    # 24 layers on 16 GPUs: 12 / 6 / 3 layers per stage at pp 2 / 4 / 8; vp must divide them
+    argv = cmd(24)
+    space, ok = assert_agrees(argv, SMALL)
+    offered = {(c["pp"], c.get("vp")) for c in ok}
+    assert {v for p, v in offered if p == 2} == {1, 2, 3, 4, 6}
+    assert {v for p, v in offered if p == 4} == {1, 2, 3, 6}
+    assert {v for p, v in offered if p == 8} == {1, 3}
+    assert {v for p, v in offered if p == 1} == {None}  # no pipeline: no virtual size, never injected
+    for c in ok:
+        trial = inject(argv, options_for(SMALL, c, GBS, argv))  # what app.compose runs
+        assert ("--num-virtual-stages-per-pipeline-rank" in trial) == (c.get("vp", 1) > 1)
+    assert any(n.startswith("virtual pipeline size vp searched at pp > 1") for n in space.notes())
+
+
+def test_an_uneven_split_offers_only_the_virtual_sizes_its_stages_divide():
+    # 30 layers, first/last 6: pp=4 and pp=8 leave 9 and 3 layers per middle rank; vp must divide 6 and those
+    space, ok = assert_agrees(cmd(30, "--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers", "6"))
+    assert {c.get("vp") for c in ok if c["pp"] in (4, 8)} == {1, 3}
+
+
+def test_vp4_at_pp4_is_injected_in_one_spelling_and_runs_interleaved():
+    argv = cmd(32)
+    cand = {"tp": 1, "pp": 4, "vp": 4, "cp": 1, "mbs": 1, "recompute_granularity": "none"}
+    trial = inject(argv, options_for(PRESET, cand, GBS, argv))
+    i = trial.index("--num-virtual-stages-per-pipeline-rank")
+    assert trial[i + 1] == "4"
+    assert "--num-layers-per-virtual-pipeline-stage" not in trial and "--virtual-pipeline-model-parallel-size" not in trial
+    assert parse_megatron(trial[3:], {}).layout.virtual_stages(32) == 4
+    at_vp1 = inject(argv, options_for(PRESET, {**cand, "vp": 1}, GBS, argv))
+    assert "--num-virtual-stages-per-pipeline-rank" not in at_vp1
+
+
+def test_a_command_stating_a_virtual_size_keeps_it_and_vp_is_not_searched():
+    argv = cmd(24, "--num-virtual-stages-per-pipeline-rank", "2")
+    space = space_of(argv)
+    assert "vp" not in space.params
+    at_pp2 = next(c for c in space.walk() if c["pp"] == 2)
+    assert "vp" not in at_pp2
+    for trial in (inject(argv, space.options(at_pp2)), inject(argv, options_for(PRESET, {**at_pp2, "vp": 4}, GBS, argv))):
+        i = trial.index("--num-virtual-stages-per-pipeline-rank")
+        assert trial[i + 1] == "2"
+    assert any("the virtual pipeline size is the command's, not searched" in n for n in space.notes())
+
+
+def test_swift_gets_the_virtual_size_under_its_own_name():
+    preset = {**PRESET, "params": {k: v for k, v in PRESET["params"].items() if k not in ("ep", "etp")}}
+    argv = [*SWIFT, "--expert_model_parallel_size", "1"]
+    cand = {"tp": 1, "pp": 4, "vp": 2, "cp": 1, "mbs": 1, "recompute_granularity": "none"}
+    trial = inject(argv, options_for(preset, cand, GBS, argv))
+    assert "--num_virtual_stages_per_pipeline_rank" not in trial
+    i = trial.index("--virtual_pipeline_model_parallel_size")
+    assert trial[i + 1] == "2"
+    assert parse_swift(trial[4:], {"NPROC_PER_NODE": "16"}).layout.vpp_size == 2
+    stated = [*argv, "--virtual_pipeline_model_parallel_size", "3"]
+    kept = inject(stated, options_for(preset, cand, GBS, stated))
+    assert kept[kept.index("--virtual_pipeline_model_parallel_size") + 1] == "3"
+
+
+def test_a_tuned_config_carries_vp_and_applying_it_reinjects_it():
+    import yaml
+
+    from zenithtune.record import Outcome
+    from zenithtune.tuned import tuned_yaml
+    argv = cmd(32)
+    cand = {"tp": 1, "pp": 4, "vp": 4, "cp": 1, "mbs": 1, "recompute_granularity": "none"}
+    text = tuned_yaml(Outcome(cand, "complete", value=400.0, trial_number=3), command=argv, n_gpus=N_GPUS,
+                      gbs=GBS, model=None, metric="TFLOP/s/GPU", strategy="heuristic", study="s", name="vp")
+    params = yaml.safe_load(text)["params"]
+    assert params["vp"] == 4
+    with initialize_config_module("zenithtune.conf"):
+        cfg = compose("config", overrides=[f"n_gpus={N_GPUS}", f"gbs={GBS}"])
+    with open_dict(cfg):
+        cfg.command = argv
+        cfg.params = params
+    composed, _ = app_compose(settings.load(cfg))
+    assert composed[composed.index("--num-virtual-stages-per-pipeline-rank") + 1] == "4"
+    assert composed == inject(argv, space_of(argv).options(cand))

@@ -337,3 +337,16 @@ def test_a_bound_is_only_taken_from_runs_that_printed_both_peaks():
     one = Layout(8, 64, tp=2, sequence_parallel=True, mbs=1, **SEL)
     mm.observe_success(one, measured_peak_gb=20.0)  # no "max reserved": the allocator's share is unknown
     assert mm.bound(Layout(8, 64, tp=2, sequence_parallel=True, mbs=2, **SEL)) is None
+
+
+def test_interleaving_holds_1_plus_p_minus_1_over_p_v_times_the_activations():
+    # Llama-3-70B, TP4 PP8 on 64 GPUs, gbs 128 (DP 2: 64 micro-batches): the first stage's in-flight
+    # activations grow by (1 + 7/(8v)) when interleaved (Korthikanti et al. 2022 §4.2.3)
+    def act(v: int | None) -> float:
+        est = estimate(Layout(n_gpus=64, gbs=128, tp=4, pp=8, vpp_size=v, sequence_parallel=True, **SEL), LLAMA70)
+        assert est is not None
+        return est.activations_gb
+    plain, v2, v5 = act(None), act(2), act(5)
+    assert plain < v5 < v2
+    assert v5 / plain == pytest.approx(1 + 7 / 40, rel=0.05)
+    assert v2 / plain == pytest.approx(1 + 7 / 16, rel=0.05)

@@ -138,3 +138,18 @@ def test_parameter_counts_match_the_published_models(name, billions):
 
     cfg = prepare([*MODELS[name], *layout_args(n_gpus=8, gbs=64)], {})
     assert total_params(cfg) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_interleaving_wins_where_the_bubble_matters_and_loses_where_p2p_dominates():
+    # Llama-3-70B, s=8192, TP4 PP4 CP2 on 64 H100 (20 layers per stage). --num-layers-per-virtual-pipeline-stage
+    # 4 runs 5 chunks per rank (VP5, NVIDIA's choice here). At gbs 128 (DP 2: 64 micro-batches) the bubble
+    # (p-1)/(v m) is worth shrinking; at gbs 1024 (512) it is not, and the 5x p2p sends between nodes cost
+    # more than the bubble they save
+    def run70(gbs: int, vp: int | None):
+        return run(LLAMA70B, "--seq-length", "8192", n_gpus=64, gbs=gbs, tp=4, pp=4, cp=2, recompute=None, vp=vp)
+    plain, vp5 = run70(128, None), run70(128, 4)
+    assert plain.kind == vp5.kind == "ok"
+    assert vp5.tflops > 1.02 * plain.tflops
+    assert vp5.peak_memory_gb > plain.peak_memory_gb  # the first rank holds 1 + 3/20 times the activations
+    assert run70(1024, 4).tflops < run70(1024, None).tflops
+    assert run70(1024, 2).tflops < run70(1024, 4).tflops  # VP10: twice the sends again

@@ -124,7 +124,7 @@ def test_vlm_searches_vit_checkpointing_and_only_full_uniform_by_default():
 def test_suggest_replays_an_enqueued_candidate_exactly():
     s = space(QWEN_MOE, n_gpus=16, gbs=64)
     study = optuna.create_study(direction="maximize")
-    cand = {"tp": 2, "pp": 2, "cp": 1, "ep": 4, "etp": 1, "mbs": 2, "recompute_granularity": "full",
+    cand = {"tp": 2, "pp": 2, "vp": 1, "cp": 1, "ep": 4, "etp": 1, "mbs": 2, "recompute_granularity": "full",
             "recompute_method": "uniform", "recompute_num_layers": 2}
     study.enqueue_trial(cand)
     trial = study.ask()
@@ -176,7 +176,9 @@ def test_a_16384_gpu_world_with_256_experts_walks():
     s = space(deepseek, n_gpus=16384, gbs=4096)
     survey = Survey()
     cands = list(s.walk(survey))
-    assert survey.total == 15 ** 5 * 4 * 18  # tp, pp, cp, ep, etp x mbs x recompute choices
+    # tp, cp, ep, etp x pp (pp=1, or 14 sizes x 7 virtual sizes) x mbs x recompute choices
+    assert survey.total == 15 ** 4 * (1 + 14 * 7) * 4 * 18
+    assert survey.total == survey.valid + sum(survey.removed.values())
     assert survey.valid == len(cands) > 0
     assert all(s.reasons(c) == [] for c in cands[:: max(1, len(cands) // 200)])
     assert {c["ep"] for c in cands} <= {1, 2, 4, 8, 16, 32, 64, 128, 256}

@@ -128,3 +128,19 @@ def test_heuristic_learns_a_dearer_all_to_all_and_turns_away_from_wide_ep():
     assert ep_vs_rest(models["dear"]) < ep_vs_rest(models["plain"])
     wide_ep = {name: sum(o.candidate.get("ep", 1) > 1 for o in launched(loop)) for name, loop in loops.items()}
     assert wide_ep["dear"] < wide_ep["plain"], wide_ep
+
+
+def test_the_prior_believes_interleaving_where_the_bubble_is_large_and_not_where_it_is_small():
+    # Llama-3-70B, s=8k, TP4 PP4 CP2 on 64 H100 (DP 2): at gbs 128 each pipeline runs 64 micro-batches, a
+    # bubble (p-1)/(v m) of 3/64 that vp shrinks; at gbs 1024 it is 3/512 and vp's v-fold p2p sends cost more
+    from zenithtune.modelinfo import ModelInfo
+    llama70 = ModelInfo(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                        num_query_groups=8, vocab_size=128256, seq_length=8192, swiglu=True, disable_bias_linear=True)
+    base = {"tp": 4, "pp": 4, "cp": 2, "mbs": 1, "recompute_granularity": "none"}
+
+    def prior(gbs: int, vp: int | None) -> float:
+        return predict_tflops({**base, **({"vp": vp} if vp else {})}, model=llama70, n_gpus=64, gbs=gbs)
+    assert prior(128, None) == prior(128, 1)
+    assert prior(128, 1) < prior(128, 2) < prior(128, 5)
+    assert prior(128, 5) > 1.02 * prior(128, 1)
+    assert prior(1024, 5) < prior(1024, 1)

@@ -535,3 +535,14 @@ def test_heuristic_measures_the_layouts_a_wrong_prior_ranks_low_before_it_stops(
     assert "why: explore: predictions missed by" in res.stdout
     best = next(line for line in res.stdout.splitlines() if line.startswith("best:"))
     assert "tp=1 pp=1 cp=1 mbs=4 recompute=none  26.9" in best, best
+
+
+def test_staged_runs_layouts_without_interleaving_and_tunes_vp_with_the_settings():
+    # stage 1's memory-safe settings run no interleaving (vp=1 holds the fewest activations); the virtual
+    # pipeline size is one of the settings stage 2 tunes on a pipelined layout
+    job = make_job("staged_blackbox", n_gpus=32, gbs=64, extra=("strategy.stage1_trials=8",))
+    loop, _ = study(job, 40)
+    runs = launched(loop)
+    assert all(o.candidate.get("vp", 1) == 1 for o in runs if o.stage == "layout")
+    assert any(o.candidate["pp"] > 1 for o in runs if o.stage == "layout")
+    assert any(o.candidate.get("vp", 1) > 1 for o in runs if o.stage == "settings")

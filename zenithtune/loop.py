@@ -291,7 +291,7 @@ class StudyLoop:
     # --- one proposal ------------------------------------------------------------------------------
     def _ask(self, proposal: Proposal) -> tuple[optuna.Trial, dict]:
         space = self.job.space
-        fixed = space.normalize(proposal.fixed) if proposal.fixed else {}
+        fixed = space.normalize(proposal.fixed, fill=False) if proposal.fixed else {}  # the rest is sampled
         # Fixed values go through this worker's sampler, not the study's queue: an enqueued trial
         # could be popped by another worker's ask().
         base = self.study.sampler

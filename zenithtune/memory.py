@@ -15,8 +15,12 @@ what the tuner can know before launching, not what the GPU will do. Approximatio
   (`flash_attention=False`: Megatron's `--attention-backend unfused|local`); with Megatron's default
   backend (flash/fused) they never exist, so selective recompute saves about nothing there; full
   recompute keeps each layer's 2·s·b·h input plus the working set of the chunk being recomputed.
-  1F1B keeps min(pp, micro-batches) in flight on the first stage (× 1 + (p−1)/(p·v) when
-  interleaved); the last stage holds one plus the logits (bf16 and their fp32 copy: 6·s·b·V/tp).
+  1F1B keeps min(pp, micro-batches) in flight on the first stage (about L layers' worth). Interleaved
+  with v model chunks per rank (the searched `vp`; Narayanan et al. 2021 §2.2.2, Korthikanti et al.
+  2022 §4.2.3) the first rank warms up 2·(p−1) + (v−1)·p chunk micro-batches of L/(p·v) layers each,
+  so it holds L·(1 + (p−1)/(p·v)) layers' worth: the 1F1B figure × (1 + (p−1)/(p·v)), most at v=2
+  and tending to plain 1F1B's as v grows. The last stage holds one plus the logits (bf16 and their
+  fp32 copy: 6·s·b·V/tp).
   Context parallelism divides everything by cp; TP without sequence parallelism leaves Korthikanti's
   10·s·b·h unsplit.
 * A VLM's vision tower is replicated on the first stage (not TP-sharded) and encodes

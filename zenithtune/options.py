@@ -16,7 +16,8 @@ from typing import Any, Literal
 from zenithtune.command import CommandFacts, facts
 
 __all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
-           "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes"]
+           "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes",
+           "states_virtual", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
 
 SequenceParallelMode = Literal["auto", "command"]
 
@@ -26,12 +27,21 @@ SequenceParallelMode = Literal["auto", "command"]
 SWIFT_DEFAULTS = {"--recompute-granularity": "selective", "--expert-tensor-parallel-size": "1"}
 VPP_OPTIONS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                "--virtual-pipeline-model-parallel-size")
+# ms-swift's name for Megatron's --num-virtual-stages-per-pipeline-rank (MegatronArguments knows only this one
+# and --num_layers_per_virtual_pipeline_stage); inject writes it with underscores in an ms-swift command.
+SWIFT_VPP_OPTION = "--virtual-pipeline-model-parallel-size"
 # The pipeline's own split: meaningless without a pipeline, and refused or mis-built by Megatron at pp=1
 # (first only: "Mismatch"; first and last: only the first stage's layers are built), refused by ms-swift
 # ("pipeline_model_parallel_size must be greater than 1 if you want to set decoder_first_..."), and a
 # layout listing several stages interleaves them on the one rank, which Megatron refuses.
 SPLIT_OPTIONS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--pipeline-model-parallel-layout")
+
+
+def states_virtual(flags: CommandFacts) -> bool:
+    """Does the command fix its own virtual pipeline size (either spelling, or a pipeline layout, which
+    implies one)? Then the preset's virtual pipeline parameter is not searched and never injected."""
+    return bool(flags.layers_per_virtual_stage or flags.virtual_stages or flags.pipeline_layout)
 
 
 def command_sizes(flags: CommandFacts, searched: Collection[str]) -> dict[str, int]:
@@ -187,26 +197,37 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
 
 
 def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,
-                argv: list[str] | None = None, *, moe: bool | None = None) -> dict[str, Any]:
+                argv: list[str] | None = None, *, moe: bool | None = None,
+                flags: CommandFacts | None = None) -> dict[str, Any]:
     """Option name -> value for `inject`: a value sets the option; None removes it.
 
     `params` must hold exactly the parameters that apply (a normalized candidate or a tuned config):
     every preset option it does not name is removed from the command, so a stale
     `--recompute-method` never reaches a selective-recompute run. With the wrapped command (`argv`)
-    the user's own flags are adjusted for this candidate (`adjust`). Needs no model info, so the entry
-    function can call it cheaply in every trial."""
+    the user's own flags are adjusted for this candidate (`adjust`); `flags` gives them already read.
+    Needs no model info, so the entry function can call it cheaply in every trial. The virtual pipeline
+    size has one spelling per trainer (`SWIFT_VPP_OPTION` for ms-swift) and is left alone when the
+    command states its own (`states_virtual`)."""
     out: dict[str, Any] = {}
+    if flags is None:
+        flags = facts(argv) if argv is not None else CommandFacts()
     for name, spec in (preset.get("params") or {}).items():
         v = params.get(name)
+        option = str(spec["option"])
+        if option in VPP_OPTIONS:
+            if states_virtual(flags):
+                continue  # the command's own virtual size runs (adjust drops it at pp=1); not searched
+            if flags.trainer == "swift":
+                option = SWIFT_VPP_OPTION
         if v is not None and "absent" in spec and v == spec["absent"]:
             v = None
         if isinstance(v, bool):
             v = "true" if v else "false"
-        out[str(spec["option"])] = None if v is None else str(v)
+        out[option] = None if v is None else str(v)
     fixed = preset.get("fixed") or {}
     if fixed.get("global_batch_size"):
         out[str(fixed["global_batch_size"])] = str(gbs)
-    adjusted = adjust(preset, params, facts(argv) if argv is not None else CommandFacts(), moe)
+    adjusted = adjust(preset, params, flags, moe)
     if fixed.get("sequence_parallel"):
         out[str(fixed["sequence_parallel"])] = adjusted.sequence_parallel
     out.update(adjusted.options())

@@ -2,29 +2,46 @@
 
 A *candidate* is a plain dict `{param name: value}` holding only the parameters that apply to it
 (`recompute_method` only under full recompute, `ep`/`etp` only for MoE models, ViT checkpointing only
-for VLMs). `Space` turns a candidate into a `Layout` (for the rules and the memory estimate) and into
-the option dict that `inject` writes into the user's command.
+for VLMs, the virtual pipeline size `vp` only at pp > 1). `Space` turns a candidate into a `Layout` (for the
+rules and the memory estimate) and into the option dict that `inject` writes into the user's command.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from zenithtune.command import CommandFacts
 from zenithtune.errors import UserError
 from zenithtune.modelinfo import ModelInfo
-from zenithtune.options import Adjusted, adjust, command_sizes, layout_fields, layout_notes, options_for, sequence_parallel_note
+from zenithtune.options import (
+    Adjusted,
+    adjust,
+    command_sizes,
+    layout_fields,
+    layout_notes,
+    options_for,
+    sequence_parallel_note,
+    states_virtual,
+)
 from zenithtune.validate import POLICIES, RULE_KINDS, RULES, Layout, Rule, check, divisors
 
 Candidate = dict[str, Any]
-When = Literal["always", "moe", "vlm", "full_recompute"]
+When = Literal["always", "moe", "vlm", "full_recompute", "pipeline"]
+WHENS = ("always", "moe", "vlm", "full_recompute", "pipeline")
 
 LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
+# The layout as the heuristic groups candidates (a crash, an MBS ladder, the granularity check): the
+# parallel sizes and the virtual pipeline size, which changes the schedule (bubble, p2p sends, activation
+# memory). The enumeration fixes `vp` with mbs, since its rule reads the micro-batch count, and
+# staged_blackbox and the calibration's per-layout term treat it as a setting: LAYOUT_PARAMS stays the sizes.
+LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "etp")
 RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 # What each rule reads of a candidate, so the enumeration runs it as soon as that much is fixed:
-# layout dimensions by name, "mbs", and "rest" (the recompute/ViT parameters); expert_grid waits for cp
+# layout dimensions by name, "mbs" (the micro-batch size and the virtual pipeline size, which are
+# enumerated together), and "rest" (the recompute/ViT parameters); expert_grid waits for cp
 # so that a dense model's report names world_divisible, the rule a user expects. A rule missing here is
 # run on every whole candidate (correct, only slower).
 _LAYOUT = frozenset(("tp", "pp", "cp"))
@@ -38,7 +55,7 @@ RULE_NEEDS: dict[str, frozenset[str]] = {
     "moe_etp_bias": frozenset(("tp", "etp")), "etp_le_tp": frozenset(("tp", "etp")),
     "etp_dense": frozenset(("tp", "etp")), "cp_short_seq": frozenset(("cp",)),
     "recompute_chunk": frozenset(("pp", "rest")), "vlm_full_uniform_only": frozenset(("rest",)),
-    "pipeline_layout": frozenset(("pp",)), "uneven_pipeline": frozenset(("pp",)),
+    "pipeline_layout": frozenset(("pp",)), "uneven_pipeline": frozenset(("pp", "mbs")),
     "hierarchical_cp": frozenset(("cp",)), "hybrid_cp": frozenset(("pp",)), "recompute_modules": frozenset(("rest",)),
     "local_impl_context_parallel": frozenset(("cp",)),
 }
@@ -143,7 +160,11 @@ class Space:
     """The parameters of a preset, instantiated for one job (`Context`)."""
 
     def __init__(self, params: list[Param], preset: Mapping[str, Any], ctx: Context):
+        if states_virtual(ctx.flags):
+            # the command states its own virtual size: it runs (adjust keeps it at pp > 1), not searched
+            params = [p for p in params if p.when != "pipeline"]
         self.params = {p.name: p for p in params}
+        self.vp_name = next((p.name for p in params if p.when == "pipeline"), None)
         self.preset = preset
         self.ctx = ctx
         self._walked: tuple[list[Candidate], Survey] | None = None
@@ -152,15 +173,15 @@ class Space:
         # applicability known from the model alone (None: depends on the candidate: full recompute)
         self._applies_now: dict[str, bool] = {
             p.name: {"always": True, "moe": ctx.model.is_moe, "vlm": ctx.model.is_vlm}[p.when]
-            for p in params if p.when != "full_recompute"}
+            for p in params if p.when not in ("full_recompute", "pipeline")}
 
     @classmethod
     def from_preset(cls, preset: Mapping[str, Any], ctx: Context) -> Space:
         params = []
         for name, spec in (preset.get("params") or {}).items():
             when = spec.get("when", "always")
-            if when not in ("always", "moe", "vlm", "full_recompute"):
-                raise UserError(f"preset parameter {name}: when={when!r} is not one of always|moe|vlm|full_recompute")
+            if when not in WHENS:
+                raise UserError(f"preset parameter {name}: when={when!r} is not one of {'|'.join(WHENS)}")
             params.append(Param(name, str(spec["option"]), _choices(spec.get("values"), ctx), when))
         mode = preset.get("sequence_parallel", "auto")
         if mode not in ("auto", "command"):
@@ -176,13 +197,30 @@ class Space:
             return self.ctx.model.is_moe
         if when == "vlm":
             return self.ctx.model.is_vlm
+        if when == "pipeline":
+            return self._pp(cand) > 1
         return cand.get("recompute_granularity") == "full"
 
-    def normalize(self, cand: Mapping[str, Any]) -> Candidate:
-        """Keep only the parameters that apply, in the preset's order."""
+    def applies_vp(self, cand: Mapping[str, Any]) -> bool:
+        """Does this space search a virtual pipeline size for this (partial) candidate?"""
+        return self.vp_name is not None and self.applies(self.vp_name, cand)
+
+    def _pp(self, cand: Mapping[str, Any]) -> int:
+        """The pipeline size a candidate runs: its own, else the command's (a preset not searching pp)."""
+        return int(cand.get("pp") or dict(self.ctx.flags.sizes).get("pp") or 1)
+
+    def normalize(self, cand: Mapping[str, Any], fill: bool = True) -> Candidate:
+        """Keep only the parameters that apply, in the preset's order. `fill`: a pipelined candidate
+        without a virtual pipeline size runs vp=1 and says so (False for a partial candidate whose
+        missing values are still to be chosen)."""
         full = cand.get("recompute_granularity") == "full"
         ok = self._applies_now
-        return {k: cand[k] for k in self.params if k in cand and ok.get(k, full)}
+        vp = self.vp_name
+        piped = vp is not None and self._pp(cand) > 1
+        if fill and vp is not None and piped and vp not in cand:
+            # a hand-made candidate (a strategy's, a tuned file's from before vp existed) runs no interleaving
+            cand = {**cand, vp: 1}
+        return {k: cand[k] for k in self.params if k in cand and ok.get(k, piped if k == vp else full)}
 
     def key(self, cand: Mapping[str, Any]) -> tuple:
         """Identity of a candidate (two proposals with the same key are the same run)."""
@@ -217,6 +255,7 @@ class Space:
         flags = self.ctx.flags
         adj = self._adjusted(norm)
         pp = int(c["pp"])
+        vp = int(norm.get(self.vp_name) or 1) if self.vp_name else 1
         return Layout(
             n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs,
             tp=int(c["tp"]), pp=pp, cp=int(c["cp"]),
@@ -224,7 +263,7 @@ class Space:
             etp=int(c["etp"]) if moe and c.get("etp") is not None else None,
             mbs=int(c["mbs"]),
             layers_per_virtual_stage=flags.layers_per_virtual_stage if pp > 1 else None,
-            vpp_size=flags.virtual_stages if pp > 1 else None,
+            vpp_size=(vp if vp > 1 else None) if self.vp_name else (flags.virtual_stages if pp > 1 else None),
             recompute_granularity=adj.recompute_granularity,  # type: ignore[arg-type]
             recompute_method=c.get("recompute_method"),
             recompute_num_layers=c.get("recompute_num_layers"),
@@ -240,7 +279,7 @@ class Space:
 
     def options(self, cand: Mapping[str, Any]) -> dict[str, Any]:
         """Option name -> value for `inject` into the study's command (see `options_for`)."""
-        out = options_for(self.preset, self.normalize(cand), self.ctx.gbs, moe=self.ctx.model.is_moe)
+        out = options_for(self.preset, self.normalize(cand), self.ctx.gbs, moe=self.ctx.model.is_moe, flags=self.ctx.flags)
         adj = self.adjusted(cand)
         fixed = self.preset.get("fixed") or {}
         if fixed.get("sequence_parallel"):
@@ -257,7 +296,14 @@ class Space:
             out.append("--recompute-activations (Megatron's selective shorthand) is dropped: the "
                        "recompute_granularity parameter decides recompute, so 'none' really runs none")
         if flags.layers_per_virtual_stage or flags.virtual_stages:
-            out.append("virtual pipeline options are dropped at pp=1 and kept (and checked) at pp > 1")
+            out.append("virtual pipeline options are dropped at pp=1 and kept (and checked) at pp > 1"
+                       + ("; the virtual pipeline size is the command's, not searched"
+                          if any(p.get("when") == "pipeline" for p in (self.preset.get("params") or {}).values())
+                          else ""))
+        if self.vp_name:
+            out.append(f"virtual pipeline size {self.vp_name} searched at pp > 1 among "
+                       f"{list(self.params[self.vp_name].choices)} where Megatron accepts it (rule virtual_pipeline; "
+                       f"{self.vp_name}=1: not interleaved); switch it off with ~preset.params.{self.vp_name}")
         if flags.tp_comm_overlap:
             out.append("--tp-comm-overlap is dropped where sequence parallelism is off (tp=1)")
         if flags.distribute_saved_activations:
@@ -358,17 +404,15 @@ class Space:
         seconds, see benchmarks/startup.py)."""
         order = list(self.params)
         lay_names = [n for n in LAYOUT_PARAMS if n in self.params and self.applies(n, {})]
-        rest_names = tuple(n for n in self.params if n not in LAYOUT_PARAMS and n != "mbs")
+        rest_names = tuple(n for n in self.params if n not in LAYOUT_PARAMS and n not in ("mbs", self.vp_name))
         rest = [self.normalize(r) for r in self._sub(rest_names, {})]
         has_mbs = "mbs" in self.params
         mbs_choices = self.params["mbs"].choices if has_mbs else (1,)
-        sizes = [len(self.params[n].choices) for n in lay_names]
-        below = [len(mbs_choices) * len(rest)] * (len(lay_names) + 1)  # candidates under one node at each depth
-        for i in range(len(lay_names) - 1, -1, -1):
-            below[i] = below[i + 1] * sizes[i]
-        survey.total += below[0]
+        vp, vp_choices = self.vp_name, self.params[self.vp_name].choices if self.vp_name else (None,)
+        below = self._below(lay_names, len(mbs_choices) * len(rest))
+        survey.total += below(0, {})
         by_dim, mbs_rules, rest_rules, final = self._stage_rules()
-        if not lay_names and self._broken(survey, {}, by_dim.get("", ()), below[0]):
+        if not lay_names and self._broken(survey, {}, by_dim.get("", ()), below(0, {})):
             return
         rest_dims = sorted(set().union(*(RULE_NEEDS[r.name] for r in rest_rules)) - {"rest"}) if rest_rules else []
         rest_memo: dict[tuple, list[str | None]] = {}
@@ -379,8 +423,13 @@ class Space:
             if memo_key not in rest_memo:
                 rest_memo[memo_key] = self._rest_broken(survey, lay_c, rest, rest_rules)
             rest_bad = rest_memo[memo_key]
-            for mbs in mbs_choices:
+            # the virtual pipeline size is enumerated with mbs: its rule reads the micro-batch count
+            sched = [(mbs, v) for mbs in mbs_choices
+                     for v in (vp_choices if vp and self.applies(vp, lay_c) else (None,))]
+            for mbs, v in sched:
                 at_mbs = {**lay_c, "mbs": mbs} if has_mbs else dict(lay_c)
+                if v is not None:
+                    at_mbs[vp] = v  # type: ignore[index]
                 if self._broken(survey, at_mbs, mbs_rules, len(rest)):
                     continue
                 for r, bad_rule in zip(rest, rest_bad):
@@ -404,8 +453,21 @@ class Space:
             survey.reasons.setdefault(bad[0][0], bad[0][1])
         return bool(bad)
 
-    def _layouts(self, survey: Survey, lay_names: list[str], by_dim: dict[str, tuple[Rule, ...]], below: list[int],
-                 depth: int, prefix: Candidate) -> Iterator[Candidate]:
+    def _below(self, lay_names: list[str], per_schedule: int) -> Callable[[int, Candidate], int]:
+        """Candidates under a layout prefix fixing `lay_names[:depth]`: the product of the choices left,
+        where a pipelined layout (pp > 1) multiplies its `per_schedule` (mbs x recompute/ViT choices) by
+        the virtual pipeline sizes and a pp=1 layout does not."""
+        n_vp = len(self.params[self.vp_name].choices) if self.vp_name else 1
+
+        def count(depth: int, prefix: Candidate) -> int:
+            left = lay_names[depth:]
+            other = math.prod(len(self.params[n].choices) for n in left if n != "pp") * per_schedule
+            pps = self.params["pp"].choices if "pp" in left else (self._pp(prefix),)
+            return other * sum(n_vp if p > 1 else 1 for p in pps)
+        return count
+
+    def _layouts(self, survey: Survey, lay_names: list[str], by_dim: dict[str, tuple[Rule, ...]],
+                 below: Callable[[int, Candidate], int], depth: int, prefix: Candidate) -> Iterator[Candidate]:
         """The valid layout prefixes below `prefix`, dimension `depth` onwards (depth first)."""
         if depth == len(lay_names):
             yield prefix
@@ -413,7 +475,7 @@ class Space:
         name = lay_names[depth]
         for v in self.params[name].choices:
             c = {**prefix, name: v}
-            if not self._broken(survey, c, by_dim.get(name, ()), below[depth + 1]):
+            if not self._broken(survey, c, by_dim.get(name, ()), below(depth + 1, c)):
                 yield from self._layouts(survey, lay_names, by_dim, below, depth + 1, c)
 
     def _rest_broken(self, survey: Survey, lay_c: Candidate, rest: list[Candidate],
@@ -431,7 +493,8 @@ class Space:
         """Ask an Optuna trial for a candidate, conditionally (a param is only suggested when it
         applies); `names` limits what is suggested."""
         cand: Candidate = {}
-        for name, p in self.params.items():
+        # the virtual pipeline size last: whether it applies depends on the pp just suggested
+        for name, p in sorted(self.params.items(), key=lambda item: item[1].when == "pipeline"):
             if name in cand or (names is not None and name not in names):
                 continue
             if self.applies(name, cand):

@@ -47,13 +47,15 @@ def features(c: dict[str, Any], *, gpus_per_node: int, n_gpus: int, num_layers: 
     per_stage = max(1, num_layers // pp)
     block = (int(c.get("recompute_num_layers") or 0) / per_stage) if mode == "full/block" else 0.0
     vit = c.get("vit_gradient_checkpointing")
+    vp = int(c.get("vp") or 1)
     return [math.log2(tp), math.log2(pp), math.log2(cp), math.log2(ep), math.log2(etp), math.log2(c.get("mbs", 1)),
+            math.log2(vp),
             *(float(mode == m) for m in _MODES), block,
             float(vit is True), float(vit is False),
             float(tp * cp > gpus_per_node), float(ep * etp > gpus_per_node), float(n_gpus // pp >= gpus_per_node)]
 
 
-_SD = np.array([SIZE_SD] * 6 + [MODE_SD] * len(_MODES) + [2 * SIZE_SD] + [MODE_SD] * 2 + [MODE_SD] * 3)
+_SD = np.array([SIZE_SD] * 7 + [MODE_SD] * len(_MODES) + [2 * SIZE_SD] + [MODE_SD] * 2 + [MODE_SD] * 3)
 
 
 class Residual:
@@ -62,6 +64,9 @@ class Residual:
     def __init__(self, cands: Sequence[dict], *, gpus_per_node: int, n_gpus: int, num_layers: int):
         self._phi = np.array([features(c, gpus_per_node=gpus_per_node, n_gpus=n_gpus, num_layers=num_layers)
                               for c in cands], dtype=float).reshape(len(cands), len(_SD))
+        # the per-layout term is over the parallel sizes only: the virtual pipeline sizes of one layout share
+        # it (the prior models what vp changes, the bubble and the p2p sends; log2(vp) is a feature), so a
+        # measurement at vp=1 tells about vp=5 of the same layout (benchmarks/search.py: fewer launches)
         layouts: dict[tuple, int] = {}
         self._lay = np.array([layouts.setdefault(tuple(c.get(k) for k in LAYOUT_PARAMS), len(layouts))
                               for c in cands], dtype=int)

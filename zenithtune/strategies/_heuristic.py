@@ -59,7 +59,7 @@ import numpy as np
 
 from zenithtune.record import central
 from zenithtune.run import FailureKind
-from zenithtune.space import LAYOUT_PARAMS
+from zenithtune.space import LAYOUT_KEYS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._speed import LEVEL_SD, SpeedModel
@@ -84,8 +84,9 @@ EXPLORE_MISSED = 0.3
 EXPLORE_WHY = "explore"
 
 
-def _lay(c: dict) -> tuple:
-    return tuple(c.get(k) for k in LAYOUT_PARAMS)
+def _lay(c: dict, vp: bool = True) -> tuple:
+    """The layout a candidate runs (its virtual pipeline size included unless `vp` is False)."""
+    return tuple(c.get(k) for k in LAYOUT_KEYS if vp or k != "vp")
 
 
 def _rec(c: dict) -> tuple:
@@ -158,7 +159,7 @@ class HeuristicStrategy(Strategy):
             pool, self._dropped = valid, {"nothing left fits: domain rules dropped": len(valid)}
         self._pool = self._one_uniform_chunk(pool)
         self._keys = [space.key(c) for c in self._pool]
-        varied = [k for k in LAYOUT_PARAMS if len({c.get(k) for c in self._pool}) > 1]
+        varied = [k for k in LAYOUT_KEYS if len({c.get(k) for c in self._pool}) > 1]
         # what a candidate's layout combines: each varied size alone, and each pair of them
         self._pairs = [[(a, c.get(a)) for a in varied]
                        + [(a, c.get(a), b, c.get(b)) for i, a in enumerate(varied) for b in varied[i + 1:]]
@@ -583,9 +584,13 @@ class HeuristicStrategy(Strategy):
 
     # --- one line of why ----------------------------------------------------------------------------
     def _role(self, c: dict, best: dict) -> str:
-        if _lay(c) != _lay(best):
-            return f"layout {self._layout_note(c)}"
         parts = []
+        if _lay(c, vp=False) != _lay(best, vp=False):
+            return f"layout {self._layout_note(c)}"
+        if c.get("vp") != best.get("vp"):
+            v = int(c.get("vp") or 1)
+            parts.append(f"vp {best.get('vp')}->{c.get('vp')}" + (f" (interleaved: bubble /{v}, {v}x the p2p sends)"
+                                                                  if v > 1 else " (not interleaved)"))
         if c.get("mbs") != best.get("mbs"):
             parts.append(f"mbs {best.get('mbs')}->{c.get('mbs')}")
         if _rec(c) != _rec(best) or c.get("recompute_num_layers") != best.get("recompute_num_layers"):
@@ -596,11 +601,13 @@ class HeuristicStrategy(Strategy):
 
     def _layout_note(self, c: dict) -> str:
         ctx, m = self.ctx, self.ctx.model
-        notes = [" ".join(f"{k}={c[k]}" for k in LAYOUT_PARAMS if k in c)]
+        notes = [" ".join(f"{k}={c[k]}" for k in LAYOUT_KEYS if k in c)]
         if c.get("tp", 1) > 1:
             notes.append(f"tp{c['tp']} inside a node")
         if c.get("pp", 1) > 1:
             notes.append(f"pp{c['pp']} to fit" + (" / cross nodes" if ctx.n_gpus > ctx.gpus_per_node else ""))
+        if (c.get("vp") or 1) > 1:
+            notes.append(f"vp{c['vp']} interleaved: bubble /{c['vp']}")
         if c.get("cp", 1) > 1:
             notes.append(f"cp{c['cp']} for {m.seq_length} tokens" if m.seq_length else f"cp{c['cp']}")
         if c.get("ep", 1) > 1:

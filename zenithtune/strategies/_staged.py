@@ -1,10 +1,12 @@
 """Staged black-box search: Optuna's TPE on the parallel layout, then on the settings of the best layouts.
 
 Stage 1 ("layout") gives TP/PP/CP/EP/ETP to the study's TPE sampler; the strategy completes each
-sampled layout with memory-safe settings: MBS 1, ViT checkpointing on, and the cheapest recompute the
-memory model says fits with room to spare (none, selective, full/block with the fewest layers, else
-full/uniform), so a layout is not lost to an OOM. Only the layout is an Optuna parameter of these
-trials, so stage 1 does not bias TPE's view of MBS or recompute. It lasts `stage1_trials` launches, or
+sampled layout with memory-safe settings: MBS 1, no interleaving (vp=1 holds the fewest activations in
+flight; the virtual pipeline size is a setting of a pipelined layout, tuned in stage 2 with MBS and
+recompute), ViT checkpointing on, and the cheapest recompute the memory model says fits with room to
+spare (none, selective, full/block with the fewest layers, else full/uniform), so a layout is not lost
+to an OOM. Only the layout is an Optuna parameter of these trials, so stage 1 does not bias TPE's view
+of MBS, vp or recompute. It lasts `stage1_trials` launches, or
 less when every valid layout has run.
 
 Stage 2 ("settings") proposes, in this order, each time it is asked:
@@ -149,7 +151,8 @@ class StagedBlackboxStrategy(Strategy):
         return self._stage1_launched >= self.stage1_trials or not self._untried_layouts()
 
     def _safe_settings(self, layout: dict) -> dict:
-        """MBS 1, ViT checkpointing, and the cheapest recompute predicted to fit with room to spare."""
+        """MBS 1, no interleaving (a pipelined candidate without vp runs vp=1: `Space.normalize`), ViT
+        checkpointing, and the cheapest recompute predicted to fit with room to spare."""
         base = {**layout, "mbs": 1}
         if "vit_gradient_checkpointing" in self.space.params:
             base["vit_gradient_checkpointing"] = True
@@ -374,7 +377,8 @@ class StagedBlackboxStrategy(Strategy):
             cand = self._rng.choice(self._untried(lay))
             return Proposal(dict(cand), why=f"stage 2: TPE repeated itself; an untried setting of layout #{i + 1} "
                             f"{desc} at random", stage=SETTINGS_STAGE)
-        return Proposal(dict(lay), why=f"stage 2: TPE tunes mbs/recompute on layout #{i + 1} {desc} "
+        tuned = "mbs/vp/recompute" if self.space.applies_vp(dict(lay)) else "mbs/recompute"
+        return Proposal(dict(lay), why=f"stage 2: TPE tunes {tuned} on layout #{i + 1} {desc} "
                         f"(best so far {o.value:.1f})", stage=SETTINGS_STAGE)
 
 

@@ -9,7 +9,9 @@ parallel dimension puts on the critical path, inside a pipeline with its bubble:
   across nodes (which is why TP stays inside a node);
 * CP: a ring of KV exchanges, hidden behind attention when the sequence is long enough;
 * EP: 4 all-to-alls of the routed tokens per MoE layer; more EP means fuller expert GEMMs;
-* PP: bubble (p−1)/m and small point-to-point sends; the slowest stage sets the pace;
+* PP: bubble (p−1)/m and small point-to-point sends; the slowest stage sets the pace. Interleaving
+  (v virtual stages per rank, Narayanan et al. 2021 §2.2.2) shrinks the bubble to (p−1)/(v·m) and
+  multiplies the sends by v (each as large as before: one activation per chunk boundary);
 * DP: gradient reduce-scatter and parameter all-gather, hidden behind the last micro-batch's
   backward and the first one's forward as far as they are long enough;
 * recompute: a recomputed layer runs its forward (and its TP forward traffic) twice;
@@ -146,6 +148,7 @@ def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
     e = int(cand.get("ep", 1)) if x.E else 1
     et = int(cand.get("etp") or t) if x.E else t
     b = int(cand.get("mbs", 1))
+    v = int(cand.get("vp") or 1) if p > 1 else 1  # model chunks per pipeline rank
     d_ = max(1, n_gpus // (t * p * c))
     m = max(1, gbs // (b * d_))
     gran = cand.get("recompute_granularity")
@@ -163,8 +166,8 @@ def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
         per_stage=float(per_stage), moe_share=x.n_moe / x.L,
         logits_gemm=tok * 6 * x.h * x.V / t / (PEAK_FLOPS * _eff(tok, x.V / t)),
         logits_comm=2 * _ring(4 * tok * x.h, t, bw(t)),
-        p2p=0.0 if p == 1 else 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5,
-        m=float(m), bubble=float(p - 1), **_dp_sync(x, n_gpus, t, p, c, e, et, d_, gpus_per_node))
+        p2p=0.0 if p == 1 else v * 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5,
+        m=float(m), bubble=float(p - 1) / v, **_dp_sync(x, n_gpus, t, p, c, e, et, d_, gpus_per_node))
 
 
 def _max(a: Any, b: Any) -> Any:
