@@ -140,7 +140,8 @@ def test_heuristic_handles_gpu_counts_that_are_not_powers_of_two(n_gpus):
     loop, why = study(job, 30)
     runs = launched(loop)
     assert runs and all(job.space.reasons(o.candidate) == [] for o in runs)
-    assert why.startswith("strategy exhausted") and len(runs) <= 15
+    # it ends by itself, well inside n_trials (the virtual pipeline size adds a ladder per pp > 1 layout)
+    assert why.startswith("strategy exhausted") and len(runs) <= 18
     dp = lambda c: n_gpus // (c["tp"] * c["pp"] * c["cp"])  # noqa: E731
     assert any(o.ok and (dp(o.candidate) % 3 == 0 or o.candidate["pp"] % 3 == 0) for o in runs)
     best = max(o.value for o in runs if o.ok)

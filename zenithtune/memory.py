@@ -341,13 +341,14 @@ NEIGHBOUR_DIMS = 2  # ... from a run differing in at most this many of its sizes
 
 
 _STEPS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("pp",), ("cp",), ("ep",), ("etp",), ("mbs",),
-          ("recompute_granularity", "recompute_method", "recompute_num_layers"))
+          ("recompute_granularity", "recompute_method", "recompute_num_layers"),
+          ("vpp_size", "layers_per_virtual_stage"))
 
 
 def steps(a: Layout, b: Layout) -> list[tuple[str, ...]] | None:
     """The sizes (as groups of Layout fields) in which `a` differs from `b`, or None when a bound from b's
-    measurement cannot hold for a: more than NEIGHBOUR_DIMS of TP, PP, CP, EP, expert TP, MBS and the
-    recompute settings differ, or the MBS more than doubles. Farther, laws the estimate does not have
+    measurement cannot hold for a: more than NEIGHBOUR_DIMS of TP, PP, CP, EP, expert TP, MBS, the
+    recompute settings and the virtual pipeline size differ, or the MBS more than doubles. Farther, laws the estimate does not have
     compound (expert activations that TP does not split, buffers per extra micro-batch sample,
     fragmentation that grows with both MBS and recompute) beyond any fixed factor."""
     diff = [g for g in _STEPS if any(getattr(a, f) != getattr(b, f) for f in g)]

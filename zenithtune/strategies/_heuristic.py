@@ -379,17 +379,18 @@ class HeuristicStrategy(Strategy):
         if missed < EXPLORE_MISSED or \
                 sum(1 for o in self.history if (o.why or "").startswith(EXPLORE_WHY)) >= self.explore_layouts:
             return None
-        measured = {_lay(o.candidate) for o in self.history if o.launched} | {_lay(c) for c in self._pending}
+        measured = {_lay(o.candidate, vp=False) for o in self.history if o.launched} | \
+            {_lay(c, vp=False) for c in self._pending}
         for i in np.argsort(-self._prior, kind="stable"):
             cand = self._pool[i]
-            if _lay(cand) in measured or self._keys[i] in tried or self._ruled_out(cand, reps):
+            if _lay(cand, vp=False) in measured or self._keys[i] in tried or self._ruled_out(cand, reps):
                 continue
             fits, mem = self._fits(cand, self.fit)
             if fits:
                 return Proposal(dict(cand), why=f"{EXPLORE_WHY}: predictions missed by {100 * missed:.0f} %, so "
                                 f"layout {self._layout_note(cand)} is measured although the prior ranks it low; "
                                 f"{mem}")
-            measured.add(_lay(cand))  # its best by the prior does not fit: the next layout
+            measured.add(_lay(cand, vp=False))  # its best by the prior does not fit: the next layout
         return None
 
     def _missed(self, reps: dict[tuple, Outcome]) -> float:
