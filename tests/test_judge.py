@@ -86,8 +86,9 @@ def test_a_strategy_is_handed_the_judge_the_evaluator_and_the_pending_wave():
 class _Script(Strategy):
     """Proposes the given candidates in order, then stops."""
 
-    def __init__(self, cands: list[dict]) -> None:
+    def __init__(self, cands: list[dict], probes: list[dict] = ()) -> None:
         self.cands = list(cands)
+        self.probes = list(probes)  # proposed as memory probes: launched past the memory screen
         self.proofs: list[str | None] = []  # what the judge said proves each proposal fits, when proposed
 
     def ask(self, pending=()) -> Proposal | None:
@@ -95,25 +96,26 @@ class _Script(Strategy):
             return None
         cand = self.cands.pop(0)
         self.proofs.append(self.judge.assess(cand).fits_surely)
-        return Proposal(dict(cand), why="scripted")
+        return Proposal(dict(cand), why="scripted", probe_memory=cand in self.probes)
 
 
 def _budget_spent_then(reserved: float | None) -> tuple[Outcome, str | None]:
     """A trainer needing 2.5x the estimate on a 40 GB GPU: tp1 at the largest MBS spends max_ooms=2
-    (at pp 1 and 2), a tp2 run fits (reporting its peaks when `reserved` is
-    given: reserved / allocated); then tp1 at MBS 1, which no run dominates by structure (less TP holds more
-    weights) and which truly fits: what becomes of it?"""
+    (at pp 1 and 2, launched as memory probes), after a pp2 run fit (reporting its peaks when `reserved` is
+    given: reserved / allocated);
+    then pp1 at MBS 1, which no run dominates by structure (one stage holds every layer) and which truly
+    fits: what becomes of it?"""
     job = make_job("grid", extra=("max_ooms=2", "gpu_memory_gb=40"))
     truth = lambda c: 2.5 * job.memory.estimate(job.space.layout(c)).allocated_gb  # noqa: E731
     tp1 = [c for c in job.space.walk() if (c["tp"], c["pp"], c["cp"]) == (1, 1, 1)]
-    ran = next(c for c in job.space.walk() if (c["tp"], c["pp"], c["cp"], c["mbs"]) == (2, 1, 1, 1)
-               and c["recompute_granularity"] == "none")
+    ran = next(c for c in job.space.walk() if (c["tp"], c["pp"], c["cp"], c["mbs"]) == (1, 2, 1, 1)
+               and c["recompute_granularity"] == "none" and c.get("vp", 1) == 1)
     wider = next(c for c in tp1 if c["mbs"] == 1 and c["recompute_granularity"] == "none")
     big = [next(c for c in job.space.walk() if (c["tp"], c["pp"], c["cp"], c["mbs"]) == (1, pp, 1, 4)
-                and c["recompute_granularity"] == "none") for pp in (1, 2)]
+                and c["recompute_granularity"] == "none" and c.get("vp", 1) == 1) for pp in (1, 2)]
     assert all(truth(c) * 1.05 + 2 > 40 for c in big) and truth(wider) * 1.05 + 2 < 40
     assert job.assess(wider).fit_proof is None  # nothing proves it by structure
-    job.strategy = script = _Script([*big, ran, wider])
+    job.strategy = script = _Script([ran, *big, wider], probes=big)  # the learned screen would keep big out
 
     def launch(n: int, cand: dict, timeout: float | None) -> Launched:
         if cand in big:
@@ -130,7 +132,8 @@ def _budget_spent_then(reserved: float | None) -> tuple[Outcome, str | None]:
 def test_past_max_ooms_a_bound_from_a_measured_peak_proves_a_candidate_structure_cannot():
     o, proof = _budget_spent_then(reserved=1.05)
     assert o.launched and o.ok, o.reasons
-    assert proof is not None and proof.startswith("reserves at most") and "trial 2's measured peak" in proof
+    assert proof is not None and proof.startswith("reserves at most") and "trial 0's measured peak" in proof
+    assert proof.endswith("within 40 GB less 10 GB at most outside the allocator")
 
 
 def test_past_max_ooms_without_a_reserved_peak_nothing_unproven_launches():

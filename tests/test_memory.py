@@ -301,22 +301,24 @@ def test_a_model_shown_wrong_widens_its_uncertainty():
 
 
 def test_a_bound_from_a_measured_run_proves_a_neighbour_fits_and_proves_nothing_once_an_oom_refutes_it():
-    """The bound trusts a run's measured peak and inflates only the estimate's difference: MBS 2 and TP 1
-    next to a measured TP 2 / MBS 1 are proven to fit on a 141 GB GPU, MBS 4 (more than doubled) is too far
-    to bound; once MBS 2 runs out of memory, no inflation explains it and the bound proves nothing."""
+    """The bound trusts a run's measured peak and inflates only the estimate's difference: MBS 2 and PP 1
+    next to a measured PP 2 / MBS 1 are proven to fit on a 141 GB GPU; MBS 4 (more than doubled) and TP 1
+    (how TP splits a layer is where trainers differ by whole factors) are not bounded; once MBS 2 runs out
+    of memory, no inflation explains it and the bound proves nothing."""
     mm = MemoryModel(LLAMA8, 141)
-    one, two, four = (Layout(8, 64, tp=2, sequence_parallel=True, mbs=m, **SEL) for m in (1, 2, 4))
-    tp1 = Layout(8, 64, tp=1, mbs=1, **SEL)
+    one, two, four = (Layout(8, 64, tp=2, pp=2, sequence_parallel=True, mbs=m, **SEL) for m in (1, 2, 4))
+    pp1 = replace(one, pp=1)
     e1 = mm.estimate(one)
     mm.observe_success(one, measured_peak_gb=e1.allocated_gb, reserved_gb=e1.allocated_gb * 1.05, tag=7)
     found = mm.bound(two)
     assert found is not None and found[1] == 7 and mm.bound_growth == 2.0
     assert found[0] > mm.estimate(two).allocated_gb  # pessimistic: above the estimate itself
     assert found[0] <= mm.bound_limit(two)  # ... and still a proof on a 141 GB GPU
-    assert mm.bound(tp1)[0] <= mm.bound_limit(tp1)
+    assert mm.bound(pp1)[0] <= mm.bound_limit(pp1)
     assert mm.bound(four) is None  # MBS x4: laws the estimate lacks could compound
+    assert mm.bound(replace(one, tp=1, sequence_parallel=False)) is None
     mm.observe_oom(two)  # it did not fit: a trainer far from the estimate
-    assert mm.bound_growth is None and mm.bound(two) is None and mm.bound(tp1) is None
+    assert mm.bound_growth is None and mm.bound(two) is None and mm.bound(pp1) is None
 
 
 def test_a_bound_does_not_trust_changes_that_cancel_in_the_estimate():

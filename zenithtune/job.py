@@ -19,7 +19,7 @@ from zenithtune.dominance import dominated_by
 from zenithtune.errors import UserError
 from zenithtune.evaluate import Evaluator
 from zenithtune.inject import find_option
-from zenithtune.memory import DEFAULT_CAPACITY_GB, MemoryModel, gpu_capacity_gb
+from zenithtune.memory import DEFAULT_CAPACITY_GB, NON_TORCH_MAX_GB, MemoryModel, gpu_capacity_gb
 from zenithtune.record import Outcome
 from zenithtune.run import FailureKind, command_problem
 from zenithtune.settings import TimeoutPolicy, ZenithtuneConf, build, timeouts, trial_params, wrapped_command
@@ -99,8 +99,11 @@ class Setting:
         found, limit = self.memory.bound(lay, self.space.vit_checkpointing(cand)), self.memory.bound_limit(lay)
         if found is None or limit is None or found[0] > limit:
             return None
+        held = self.memory.held_gb or 0.0
+        within = (f"within the {limit:.0f} GB a run that fit held" if held >= limit else
+                  f"within {self.capacity_gb:g} GB less {NON_TORCH_MAX_GB:g} GB at most outside the allocator")
         return (f"reserves at most {found[0]:.0f} GB (trial {found[1]}'s measured peak + the estimate's "
-                f"difference, x{self.memory.bound_growth:g}), within the {limit:.0f} GB a run that fit held")
+                f"difference, x{self.memory.bound_growth:g}), {within}")
 
     def observe(self, o: Outcome) -> None:
         """Learn from a launched trial: its memory evidence, and a feature the trainer refused."""

@@ -340,6 +340,10 @@ NON_TORCH_MAX_GB = 10.0
 NEIGHBOUR_DIMS = 2  # ... from a run differing in at most this many of its sizes (parallel, MBS, recompute)
 
 
+# Never bounded across: how TP, EP and expert TP split the experts' tokens and weights is where trainers
+# differ by whole factors (MoE parallel folding: expert activations divided by expert TP, not TP, are 4x
+# at tp4 etp1 what the estimate holds; drop-less routing's busiest EP rank), beyond any fixed inflation.
+_SPLITS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("ep",), ("etp",))
 _STEPS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("pp",), ("cp",), ("ep",), ("etp",), ("mbs",),
           ("recompute_granularity", "recompute_method", "recompute_num_layers"),
           ("vpp_size", "layers_per_virtual_stage"))
@@ -347,11 +351,13 @@ _STEPS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("pp",), ("c
 
 def steps(a: Layout, b: Layout) -> list[tuple[str, ...]] | None:
     """The sizes (as groups of Layout fields) in which `a` differs from `b`, or None when a bound from b's
-    measurement cannot hold for a: more than NEIGHBOUR_DIMS of TP, PP, CP, EP, expert TP, MBS, the
+    measurement cannot hold for a: TP, EP or expert TP differ (_SPLITS), or more than NEIGHBOUR_DIMS of TP, PP, CP, EP, expert TP, MBS, the
     recompute settings and the virtual pipeline size differ, or the MBS more than doubles. Farther, laws the estimate does not have
     compound (expert activations that TP does not split, buffers per extra micro-batch sample,
     fragmentation that grows with both MBS and recompute) beyond any fixed factor."""
     diff = [g for g in _STEPS if any(getattr(a, f) != getattr(b, f) for f in g)]
+    if any(g in diff for g in _SPLITS):
+        return None
     return diff if len(diff) <= NEIGHBOUR_DIMS and a.mbs <= 2 * b.mbs else None
 
 
