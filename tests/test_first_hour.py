@@ -91,7 +91,7 @@ def test_a_tuned_config_carries_its_evaluator_and_no_absolute_path(tmp_path):
     text = (tmp_path / "conf" / "tuned" / "it8.yaml").read_text()
     data = yaml.safe_load(text)
     assert data["evaluator"]["_target_"] == "zenithtune.evaluate.IterationTime"
-    assert data["result"]["study"] == "runs/a/study.db" and "(trial 0 of runs/a/study.db)" in text
+    assert data["result"]["study"] == "runs/a/study.db" and f"(trial {data['result']['trial']} of runs/a/study.db)" in text
     assert "# command (before injection): python -m zenithtune.sim --num-layers" in text
     assert str(tmp_path) not in text and sys.executable not in text
 
