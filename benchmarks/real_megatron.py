@@ -44,7 +44,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "real_megatron.md"
 STRATEGIES = ("grid", "heuristic", "staged_blackbox")
 SPACE = ["preset.params.tp.values=[1,2]", "preset.params.pp.values=[1,2]", "preset.params.cp.values=[1]",
          "preset.params.mbs.values=[1,4]", "preset.params.recompute_granularity.values=[none,full]",
-         "preset.params.recompute_method.values=[uniform]", "preset.params.recompute_num_layers.values=[1]"]
+         "preset.params.recompute_method.values=[uniform]", "preset.params.recompute_num_layers.values=[1]",
+         "~preset.params.vp"]  # the 12 candidates results/real_megatron.md was measured on (vp searched since)
 GBS, RANKS, ITERS = 8, 2, 6
 
 

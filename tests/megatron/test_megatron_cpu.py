@@ -126,7 +126,9 @@ def check_recorded(launched: list, printed: str) -> list[dict]:
 
 
 def test_grid_on_real_pretrain_gpt(tmp_path: Path) -> None:
-    # TP 1/2 x PP 1/2 (TP2·PP2 > 2 ranks is pruned) x {full, selective} at MBS 2: six launches.
+    # TP 1/2 x PP 1/2 (TP2·PP2 > 2 ranks is pruned) x {full, selective} at MBS 2, and at PP 2 the searched
+    # virtual pipeline size: vp 1 and 2 (2 layers per stage; vp 3..8 are pruned): eight launches, the two
+    # interleaved ones run by Megatron's interleaved 1F1B schedule from the injected flag.
     launched, printed = run_study(tmp_path, [
         "preset.params.tp.values=[1,2]", "preset.params.pp.values=[1,2]",
         "preset.params.cp.values=[1]", "preset.params.mbs.values=[2]",
@@ -134,10 +136,14 @@ def test_grid_on_real_pretrain_gpt(tmp_path: Path) -> None:
         "preset.params.recompute_method.values=[uniform]",
         "preset.params.recompute_num_layers.values=[1]",
     ], tiny_gpt())
-    assert len(launched) == 6, printed
+    assert len(launched) == 8, printed
     done = check_recorded(launched, printed)
-    layouts = {(c["tp"], c["pp"]) for c in done}
-    assert {(1, 1), (2, 1), (1, 2)} <= layouts, printed
+    layouts = {(c["tp"], c["pp"], c.get("vp", 1)) for c in done}
+    assert {(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2)} <= layouts, printed
+    interleaved = [t for t in launched if t.user_attrs["candidate"].get("vp") == 2]
+    for t in interleaved:
+        argv = t.user_attrs.get("argv") or []
+        assert argv[argv.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2", argv
     assert {c["recompute_granularity"] for c in done} == {"full", "selective"}, printed
     assert {c["mbs"] for c in done} == {2}, printed
     assert "best: trial" in printed
