@@ -347,18 +347,24 @@ def test_a_swift_fixture_is_refused_for_its_program_not_its_assignments():
     assert problem is not None and problem.startswith("command 'megatron' not found on PATH")
 
 
+def trial_argv(argv: list[str], params: dict) -> list[str]:
+    """The argv the entry function composes for `params` on `argv` (the study's defaults otherwise)."""
+    with initialize_config_module("zenithtune.conf"):
+        cfg = compose("config", overrides=[f"n_gpus={N_GPUS}", f"gbs={GBS}"])
+    with open_dict(cfg):
+        cfg.command = argv
+        cfg.params = params
+    composed, _ = app_compose(settings.load(cfg))
+    return composed
+
+
 def test_a_trial_composes_the_same_argv_as_the_space():
     """The entry function (no model known) and the space (model known) agree on a layout flag's drop, and
     on the expert TP of an ms-swift command stating its expert size."""
     argv = cmd(24, "--decoder-first-pipeline-num-layers", "2")
     for pp in (1, 2):
         params = {"tp": 1, "pp": pp, "cp": 1, "mbs": 1, "recompute_granularity": "none"}
-        with initialize_config_module("zenithtune.conf"):
-            cfg = compose("config", overrides=[f"n_gpus={N_GPUS}", f"gbs={GBS}"])
-        with open_dict(cfg):
-            cfg.command = argv
-            cfg.params = params
-        composed, _ = app_compose(settings.load(cfg))
+        composed = trial_argv(argv, params)
         space = space_of(argv)
         assert composed == inject(argv, space.options(params))
         assert ("--decoder-first-pipeline-num-layers" in composed) == (pp > 1)
@@ -446,11 +452,6 @@ def test_a_tuned_config_carries_vp_and_applying_it_reinjects_it():
                       gbs=GBS, model=None, metric="TFLOP/s/GPU", strategy="heuristic", study="s", name="vp")
     params = yaml.safe_load(text)["params"]
     assert params["vp"] == 4
-    with initialize_config_module("zenithtune.conf"):
-        cfg = compose("config", overrides=[f"n_gpus={N_GPUS}", f"gbs={GBS}"])
-    with open_dict(cfg):
-        cfg.command = argv
-        cfg.params = params
-    composed, _ = app_compose(settings.load(cfg))
+    composed = trial_argv(argv, params)
     assert composed[composed.index("--num-virtual-stages-per-pipeline-rank") + 1] == "4"
     assert composed == inject(argv, space_of(argv).options(cand))
