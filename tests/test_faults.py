@@ -256,6 +256,40 @@ def test_a_stop_signal_at_any_moment_is_one_line_and_128_plus_signal(tmp_path, a
         assert "storage=" in out.splitlines()[-1]
 
 
+# A stop arriving while the garbage collector runs a weakref callback (sqlalchemy's, in a CI run): Python
+# cannot let the KeyboardInterrupt out of the callback, printed "Exception ignored ... Traceback" and lost it.
+GC_STOP = """
+import gc, os, signal, sys, weakref
+from zenithtune import signals
+
+class Thing:
+    pass
+
+def callback(ref):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):  # the handler runs at a bytecode boundary: here, inside the callback
+        pass
+
+with signals.handled(), signals.armed():
+    thing = Thing()
+    ref = weakref.ref(thing, callback)
+    del thing
+    gc.collect()
+    print("held:", signals.pending(), flush=True)
+    try:
+        signals.check()
+    except KeyboardInterrupt:
+        print("raised at the loop's next step:", signals.reason(), flush=True)
+"""
+
+
+def test_a_stop_the_garbage_collector_swallows_is_held_then_raised_without_a_traceback():
+    out = subprocess.run([sys.executable, "-c", GC_STOP], env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+    assert "held: True" in out.stdout, out.stdout
+    assert "raised at the loop's next step: interrupted: the tuner received SIGTERM" in out.stdout, out.stdout
+
+
 def test_a_model_config_with_a_negative_size_is_one_line(tmp_path):
     import json
 

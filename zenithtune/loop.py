@@ -155,6 +155,7 @@ class StudyLoop:
         skips = 0
         first_used: int | None = None
         while True:
+            signals.check()  # a stop the garbage collector swallowed (held by signals) ends the study here
             if self.liveness is not None:
                 self.liveness.fail_stale()
             self._sync()

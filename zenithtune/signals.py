@@ -11,11 +11,17 @@ Where a result is being written (`deferred()`: a trial from its command's start 
 loop recording a wave), a stop signal (Ctrl-C included) is held instead: the runner polls `pending()`
 and kills the command, and the held stop is raised when the section ends, once the result is safe. A
 signal landing just after a trial finished used to abort the study in the middle of recording it.
+
+A stop raised where Python cannot let an exception out (a weakref callback or `__del__` that the garbage
+collector runs, sqlalchemy's among them) would be printed as "Exception ignored ... Traceback" and lost;
+while `handled()` is in force it is held instead, like a stop inside a deferred section: the running
+trial's command is killed at once and the loop raises it at its next step (`check()`).
 """
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -81,6 +87,27 @@ def deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def check() -> None:
+    """At a safe point between trials: raise a stop that was held (see the module's note) and not raised yet."""
+    global _pending
+    if _pending and not _deferring:
+        _pending = False
+        raise KeyboardInterrupt
+
+
+def _unraisable(previous: object) -> object:
+    """A `sys.unraisablehook` that holds our own stop (raised inside a garbage-collector callback) instead
+    of printing it; everything else goes to the hook that was in place."""
+    def hook(unraisable: object) -> None:
+        global _pending
+        exc_type = getattr(unraisable, "exc_type", None)
+        if _count and isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
+            _pending = True
+            return
+        previous(unraisable)  # type: ignore[operator]
+    return hook
+
+
 def count() -> int:
     """How many stop signals arrived so far. Code that runs a library which may swallow the
     KeyboardInterrupt (Hydra wraps what is raised while OmegaConf resolves) compares it before and after."""
@@ -108,9 +135,11 @@ def handled() -> Iterator[None]:
         yield  # Python delivers signals to the main thread only; its own handlers apply
         return
     saved = {s: signal.signal(s, _raise) for s in (*STOP_SIGNALS, signal.SIGINT)}
+    hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)  # type: ignore[assignment]
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for s, h in saved.items():
             signal.signal(s, h)
 
