@@ -66,7 +66,8 @@ def test_normalize_drops_parameters_that_do_not_apply():
     s = space(LLAMA8B)
     cand = {"tp": 2, "ep": 4, "mbs": 1, "recompute_granularity": "selective", "recompute_method": "block",
             "vit_gradient_checkpointing": True}
-    assert s.normalize(cand) == {"tp": 2, "mbs": 1, "recompute_granularity": "selective"}
+    # a selective candidate naming no module set runs Megatron's default one, core_attn
+    assert s.normalize(cand) == {"tp": 2, "mbs": 1, "recompute_granularity": "selective", "recompute_modules": "core_attn"}
     moe = space(QWEN_MOE, n_gpus=16)
     assert moe.normalize({"tp": 1, "ep": 8, "etp": 1})["ep"] == 8
 
@@ -176,8 +177,9 @@ def test_a_16384_gpu_world_with_256_experts_walks():
     s = space(deepseek, n_gpus=16384, gbs=4096)
     survey = Survey()
     cands = list(s.walk(survey))
-    # tp, cp, ep, etp x pp (pp=1, or 14 sizes x 7 virtual sizes) x mbs x recompute choices
-    assert survey.total == 15 ** 4 * (1 + 14 * 7) * 4 * 18
+    # tp, cp, ep, etp x pp (pp=1, or 14 sizes x 7 virtual sizes) x mbs x recompute choices: none, full
+    # (2 methods x 8 layer counts), selective with 4 module sets (mlp left out: every layer is MoE)
+    assert survey.total == 15 ** 4 * (1 + 14 * 7) * 4 * (1 + 16 + 4)
     assert survey.total == survey.valid + sum(survey.removed.values())
     assert survey.valid == len(cands) > 0
     assert all(s.reasons(c) == [] for c in cands[:: max(1, len(cands) // 200)])

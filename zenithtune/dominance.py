@@ -39,8 +39,8 @@ def _recomputes_alike(a: Layout, b: Layout) -> bool:
     every recomputed layer's working set, and a caching allocator may then reserve more than it saves
     (a trainer whose selective recompute ran out of memory where no recompute fit, at the same layout
     and MBS, is in benchmarks/robustness.py's `memory` flavour): recompute is never compared."""
-    return (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == \
-        (b.recompute_granularity, b.recompute_method, b.recompute_num_layers)
+    return (a.recompute_granularity, a.recompute_method, a.recompute_num_layers, a.recompute_modules) == \
+        (b.recompute_granularity, b.recompute_method, b.recompute_num_layers, b.recompute_modules)
 
 
 def _in_flight(lay: Layout) -> float:

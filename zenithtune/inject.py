@@ -37,7 +37,7 @@ class _Remove(Enum):
 REMOVE = _Remove.REMOVE
 """Map an option to this (or None) to delete it, with its value, from the command."""
 
-OptValue = str | int | float | bool | None | _Remove
+OptValue = str | int | float | bool | tuple[str, ...] | None | _Remove
 BoolStyle = Literal["flag", "value", "auto"]
 
 
@@ -57,9 +57,11 @@ def _check(options: Mapping[str, OptValue]) -> None:
         if not isinstance(key, str) or not key.startswith("--") or len(key) < 3:
             fix = "--" + str(key).lstrip("-")
             raise ValueError(f"option name {key!r} must be written with two dashes: use {fix!r}")
+        if isinstance(value, tuple) and value and all(isinstance(v, str) for v in value):
+            continue  # several values (an nargs option: --recompute-modules layernorm mlp)
         if value is not None and value is not REMOVE and not isinstance(value, (str, int, float)):
             raise ValueError(f"option {key} has value {value!r} of type {type(value).__name__}; "
-                             f"use a str, int, float, bool, or None/REMOVE to remove it")
+                             f"use a str, int, float, bool, a tuple of str, or None/REMOVE to remove it")
     seen: dict[str, str] = {}
     for key in options:
         if canonical(key) in seen:
@@ -78,7 +80,8 @@ def inject(argv: list[str], options: Mapping[str, OptValue], *,
            bool_style: BoolStyle = "auto") -> list[str]:
     """Return a copy of ``argv`` with ``options`` set.
 
-    ``options`` maps dashed names to values: str/int/float → ``--k v``; True → flag present (or
+    ``options`` maps dashed names to values: str/int/float → ``--k v``; a tuple of str → ``--k v1 v2``
+    (an ``nargs`` option, never in the ``--k=v`` form); True → flag present (or
     ``--k true``); None/REMOVE → option and its value removed; False → removed for flags, ``--k false``
     where booleans take values. An option already present is updated in place, keeping its form
     (``--k v``/``--k=v``) and spelling; later duplicates are dropped. A missing one is appended in the
@@ -126,6 +129,8 @@ def inject(argv: list[str], options: Mapping[str, OptValue], *,
             else:
                 word = _bool_word(value, first.bool_value if first else None)
                 tokens = [f"{name}={word}"] if inline else [name, word]
+        elif isinstance(value, tuple):
+            tokens = [name, *value]
         else:
             text = str(value)
             tokens = [f"{name}={text}"] if inline else [name, text]

@@ -13,8 +13,11 @@ what the tuner can know before launching, not what the GPU will do. Approximatio
   and its output, plus the router's fp32 logits and probabilities.
   Attention scores (5·a·s²·b) are stored only without recompute and without flash/fused attention
   (`flash_attention=False`: Megatron's `--attention-backend unfused|local`); with Megatron's default
-  backend (flash/fused) they never exist, so selective recompute saves about nothing there; full
-  recompute keeps each layer's 2·s·b·h input plus the working set of the chunk being recomputed.
+  backend (flash/fused) they never exist, so selective recompute of the default core_attn saves about
+  nothing there; other `--recompute-modules` drop what they re-run (`_module_saving`: layernorm the outputs
+  of the norms that are modules of their own, mlp a dense MLP's intermediates, moe_act the experts'
+  activation output, moe a whole MoE layer's);
+  full recompute keeps each layer's 2·s·b·h input plus the working set of the chunk being recomputed.
   1F1B keeps min(pp, micro-batches) in flight on the first stage (about L layers' worth). Interleaved
   with v model chunks per rank (the searched `vp`; Narayanan et al. 2021 §2.2.2, Korthikanti et al.
   2022 §4.2.3) the first rank warms up 2·(p−1) + (v−1)·p chunk micro-batches of L/(p·v) layers each,
@@ -128,6 +131,32 @@ def _routed_act(sh: Shape) -> float:
     return sh.k * (4 + per_width * sh.Fm / sh.h) * sh.h
 
 
+def _module_saving(sh: Shape, modules: tuple[str, ...], moe: bool, local_impl: bool = False) -> tuple[float, float]:
+    """Bytes per token (before any split) that selective recompute of `modules` does not keep for one
+    layer, and the routed copies' part of them (Megatron-core's --recompute-modules, TransformerLayer):
+    layernorm discards the norms' outputs (2·h each) where a norm is a module of its own: both with
+    --transformer-impl local, only a MoE layer's pre-MLP norm with Transformer Engine (which fuses the
+    others into the next linear); mlp keeps only a dense MLP's input; moe only a MoE layer's input (routed
+    copies, router, shared experts all re-run); moe_act discards the experts' activation output (2·Fm per
+    routed copy); shared_experts keeps only the shared experts' input."""
+    per_width = 6 if sh.glu else 4
+    saved = routed = 0.0
+    if "layernorm" in modules:
+        saved += 4 * sh.h if local_impl else 2 * sh.h if moe else 0.0
+    if moe:
+        if "moe" in modules:
+            routed = _routed_act(sh)
+            return saved + _mlp_act(sh, True) - 2 * sh.h, routed
+        if "moe_act" in modules:
+            routed = sh.k * 2 * sh.Fm
+            saved += routed
+        if "shared_experts" in modules and sh.Fs:
+            saved += per_width * sh.Fs
+    elif "mlp" in modules:
+        saved += _mlp_act(sh, False) - 2 * sh.h
+    return saved, routed
+
+
 def _score_act(sh: Shape) -> float:
     return 5 * sh.a * sh.s  # softmax, its dropout mask and output, per token (no flash)
 
@@ -189,22 +218,26 @@ def _activations(sh: Shape, layout: Layout, flash_attention: bool) -> _Activatio
     tokens = sh.s * layout.mbs / c  # per rank
     split = t if layout.sp_active or t == 1 else None
 
-    def layer_act(moe: bool, scores: bool) -> float:
+    def layer_act(moe: bool, scores: bool, modules: tuple[str, ...] = ()) -> float:
         total = _attn_act(sh) + _mlp_act(sh, moe) + (_score_act(sh) if scores else 0.0)
+        total -= _module_saving(sh, modules, moe, layout.local_impl)[0]
         if split is None:  # TP without SP keeps the norms' and inputs' activations whole
             rep = _REPLICATED_WITHOUT_SP * sh.h
             return tokens * (rep + (total - rep) / t)
         return tokens * total / split
 
-    def routed(moe: bool) -> float:  # the routed part of layer_act (TP splits it like the rest)
-        return tokens * _routed_act(sh) / (split or t) if moe and sh.E else 0.0
+    def routed(moe: bool, modules: tuple[str, ...] = ()) -> float:  # the routed part of layer_act (split like the rest)
+        return tokens * (_routed_act(sh) - _module_saving(sh, modules, True)[1]) / (split or t) if moe and sh.E else 0.0
 
     gran = layout.recompute_granularity
+    # selective recompute re-runs these modules (Megatron's default: the attention core alone)
+    modules = (layout.recompute_modules or ("core_attn",)) if gran == "selective" else ()
     moe_frac = sh.n_moe / sh.L
-    routed_layer = moe_frac * routed(True)  # of a stored or a fully recomputed layer alike
-    scores = gran is None and not flash_attention
+    routed_layer = moe_frac * routed(True)  # of a fully recomputed layer
+    scores = not flash_attention and (gran is None or (gran == "selective" and "core_attn" not in modules))
     full_layer = (1 - moe_frac) * layer_act(False, not flash_attention) + moe_frac * layer_act(True, not flash_attention)
-    stored_layer = (1 - moe_frac) * layer_act(False, scores) + moe_frac * layer_act(True, scores)
+    stored_layer = ((1 - moe_frac) * layer_act(False, scores, modules)
+                    + moe_frac * layer_act(True, scores, modules))
     layer_input = 2 * tokens * sh.h / (split or 1)
     working = 0.0
     if gran == "full":
@@ -220,7 +253,7 @@ def _activations(sh: Shape, layout: Layout, flash_attention: bool) -> _Activatio
             per_mb_routed, working_routed = 0.0, min(n, layers) * routed_layer
     else:
         per_mb = layers * stored_layer
-        per_mb_routed, working_routed = layers * routed_layer, 0.0
+        per_mb_routed, working_routed = layers * moe_frac * routed(True, modules), 0.0
     return _Activations(tokens=tokens, per_mb=per_mb, working=working, per_mb_routed=per_mb_routed,
                         working_routed=working_routed)
 
@@ -345,7 +378,7 @@ NEIGHBOUR_DIMS = 2  # ... from a run differing in at most this many of its sizes
 # at tp4 etp1 what the estimate holds; drop-less routing's busiest EP rank), beyond any fixed inflation.
 _SPLITS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("ep",), ("etp",))
 _STEPS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("pp",), ("cp",), ("ep",), ("etp",), ("mbs",),
-          ("recompute_granularity", "recompute_method", "recompute_num_layers"),
+          ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"),
           ("vpp_size", "layers_per_virtual_stage"))
 
 
@@ -702,7 +735,8 @@ class MemoryModel:
             if diff:
                 ratio += RATIO_CUSHION
             if est.full_recompute != ref.full_recompute or \
-                    layout.recompute_granularity != ref_layout.recompute_granularity:
+                    layout.recompute_granularity != ref_layout.recompute_granularity or \
+                    layout.recompute_modules != ref_layout.recompute_modules:
                 ratio = max(ratio, *ratios) + RECOMPUTE_CUSHION
             gb = max(alloc, 0.0) * ratio
             if best is None or gb < best[0]:

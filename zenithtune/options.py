@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from zenithtune.command import CommandFacts, facts
+from zenithtune.validate import module_set
 
 __all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
            "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes",
@@ -30,6 +31,8 @@ VPP_OPTIONS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-
 # ms-swift's name for Megatron's --num-virtual-stages-per-pipeline-rank (MegatronArguments knows only this one
 # and --num_layers_per_virtual_pipeline_stage); inject writes it with underscores in an ms-swift command.
 SWIFT_VPP_OPTION = "--virtual-pipeline-model-parallel-size"
+# Options taking several values (argparse nargs): a searched value joins them with "+" (module_set).
+LIST_OPTIONS = ("--recompute-modules",)
 # The pipeline's own split: meaningless without a pipeline, and refused or mis-built by Megatron at pp=1
 # (first only: "Mismatch"; first and last: only the first stage's layers are built), refused by ms-swift
 # ("pipeline_model_parallel_size must be greater than 1 if you want to set decoder_first_..."), and a
@@ -219,10 +222,15 @@ def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,
                 continue  # the command's own virtual size runs (adjust drops it at pp=1); not searched
             if flags.trainer == "swift":
                 option = SWIFT_VPP_OPTION
+        if spec.get("when") == "selective_recompute" and flags.recompute_modules is not None:
+            continue  # the command's own --recompute-modules runs; the module sets are not searched
         if v is not None and "absent" in spec and v == spec["absent"]:
             v = None
         if isinstance(v, bool):
             v = "true" if v else "false"
+        if v is not None and option in LIST_OPTIONS:
+            out[option] = module_set(v)
+            continue
         out[option] = None if v is None else str(v)
     fixed = preset.get("fixed") or {}
     if fixed.get("global_batch_size"):

@@ -26,7 +26,8 @@ from zenithtune.loop import Callbacks
 from zenithtune.record import Outcome
 
 SHORT = {"recompute_granularity": "recompute", "recompute_method": "method",
-         "recompute_num_layers": "layers", "vit_gradient_checkpointing": "vit_ckpt"}
+         "recompute_num_layers": "layers", "recompute_modules": "modules",
+         "vit_gradient_checkpointing": "vit_ckpt"}
 _RESULT_MAX = 160  # characters of a failure reason on a trial line; trial.log has the rest
 SCREEN_EVERY = 10.0  # seconds without a line while proposals are screened out before a screening line
 

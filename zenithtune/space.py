@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from zenithtune.command import CommandFacts
@@ -26,11 +26,25 @@ from zenithtune.options import (
     sequence_parallel_note,
     states_virtual,
 )
-from zenithtune.validate import POLICIES, RULE_KINDS, RULES, Layout, Rule, check, divisors
+from zenithtune.validate import (
+    MODULE_SEPARATOR,
+    POLICIES,
+    RULE_KINDS,
+    RULES,
+    Layout,
+    Rule,
+    check,
+    divisors,
+    module_idle,
+    module_set,
+    module_set_problem,
+)
 
 Candidate = dict[str, Any]
-When = Literal["always", "moe", "vlm", "full_recompute", "pipeline"]
-WHENS = ("always", "moe", "vlm", "full_recompute", "pipeline")
+When = Literal["always", "moe", "vlm", "full_recompute", "selective_recompute", "pipeline"]
+WHENS = ("always", "moe", "vlm", "full_recompute", "selective_recompute", "pipeline")
+# Applicability that depends on the candidate (the rest is known from the model alone).
+_DEPENDENT: tuple[When, ...] = ("full_recompute", "selective_recompute", "pipeline")
 
 LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
 # The layout as the heuristic groups candidates (a crash, an MBS ladder, the granularity check): the
@@ -163,8 +177,14 @@ class Space:
         if states_virtual(ctx.flags):
             # the command states its own virtual size: it runs (adjust keeps it at pp > 1), not searched
             params = [p for p in params if p.when != "pipeline"]
+        # module sets the model cannot use: the preset's value -> what runs instead (None: not searched),
+        # and why each idle module re-runs nothing
+        self.idle_modules: dict[str, str | None] = {}
+        self.idle_why: dict[str, str] = {}
+        params = self._module_sets(params, ctx)
         self.params = {p.name: p for p in params}
         self.vp_name = next((p.name for p in params if p.when == "pipeline"), None)
+        self.modules_name = next((p.name for p in params if p.when == "selective_recompute"), None)
         self.preset = preset
         self.ctx = ctx
         self._walked: tuple[list[Candidate], Survey] | None = None
@@ -173,7 +193,38 @@ class Space:
         # applicability known from the model alone (None: depends on the candidate: full recompute)
         self._applies_now: dict[str, bool] = {
             p.name: {"always": True, "moe": ctx.model.is_moe, "vlm": ctx.model.is_vlm}[p.when]
-            for p in params if p.when not in ("full_recompute", "pipeline")}
+            for p in params if p.when not in _DEPENDENT}
+
+    def _module_sets(self, params: list[Param], ctx: Context) -> list[Param]:
+        """The selective-recompute module sets this model can use. A module the model lacks (mlp when every
+        layer is MoE, moe_act on a dense model, layernorm fused into TE's linears) re-runs nothing: a set
+        naming one runs as the set without it (`idle_modules`, said in the report), and a set left with
+        nothing is not searched. A command stating its own --recompute-modules keeps it: not searched."""
+        out = []
+        for p in params:
+            if p.when != "selective_recompute":
+                out.append(p)
+                continue
+            if ctx.flags.recompute_modules is not None:
+                continue
+            for v in p.choices:
+                problem = module_set_problem(v)
+                if problem:
+                    raise UserError(f"preset parameter {p.name}: {problem}")
+            kept: list[Any] = []
+            for v in p.choices:
+                mods = module_set(v)
+                why = {m: module_idle(m, ctx.model, ctx.flags.local_impl) for m in mods}
+                acting = [m for m in mods if why[m] is None]
+                self.idle_why.update({m: w for m, w in why.items() if w is not None})
+                value = MODULE_SEPARATOR.join(acting) if len(acting) < len(mods) else v
+                if value != v:
+                    self.idle_modules[str(v)] = value or None
+                if value and value not in kept:
+                    kept.append(value)
+            if kept:
+                out.append(replace(p, choices=tuple(kept)))
+        return out
 
     @classmethod
     def from_preset(cls, preset: Mapping[str, Any], ctx: Context) -> Space:
@@ -199,6 +250,8 @@ class Space:
             return self.ctx.model.is_vlm
         if when == "pipeline":
             return self._pp(cand) > 1
+        if when == "selective_recompute":
+            return cand.get("recompute_granularity") == "selective"
         return cand.get("recompute_granularity") == "full"
 
     def applies_vp(self, cand: Mapping[str, Any]) -> bool:
@@ -213,14 +266,28 @@ class Space:
         """Keep only the parameters that apply, in the preset's order. `fill`: a pipelined candidate
         without a virtual pipeline size runs vp=1 and says so (False for a partial candidate whose
         missing values are still to be chosen)."""
-        full = cand.get("recompute_granularity") == "full"
         ok = self._applies_now
-        vp = self.vp_name
+        vp, mods = self.vp_name, self.modules_name
         piped = vp is not None and self._pp(cand) > 1
+        gran = cand.get("recompute_granularity")
         if fill and vp is not None and piped and vp not in cand:
             # a hand-made candidate (a strategy's, a tuned file's from before vp existed) runs no interleaving
             cand = {**cand, vp: 1}
-        return {k: cand[k] for k in self.params if k in cand and ok.get(k, piped if k == vp else full)}
+        if fill and mods is not None and gran == "selective" and mods not in cand:
+            # ... and one from before module sets existed runs Megatron's default set
+            cand = {**cand, mods: self._default_modules()}
+        depends = {vp: piped, mods: gran == "selective"}
+        return {k: cand[k] for k in self.params
+                if k in cand and ok.get(k, depends.get(k, gran == "full"))}
+
+    def _default_modules(self) -> Any:
+        """The module set a selective candidate that names none runs: the preset's `absent` (Megatron's
+        core_attn), else the first searched."""
+        assert self.modules_name is not None
+        spec = (self.preset.get("params") or {}).get(self.modules_name) or {}
+        choices = self.params[self.modules_name].choices
+        absent = spec.get("absent")
+        return absent if absent in choices else choices[0]
 
     def key(self, cand: Mapping[str, Any]) -> tuple:
         """Identity of a candidate (two proposals with the same key are the same run)."""
@@ -256,6 +323,9 @@ class Space:
         adj = self._adjusted(norm)
         pp = int(c["pp"])
         vp = int(norm.get(self.vp_name) or 1) if self.vp_name else 1
+        fields = layout_fields(flags, pp)
+        if self.modules_name and self.modules_name in norm:
+            fields["recompute_modules"] = module_set(norm[self.modules_name])
         return Layout(
             n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs,
             tp=int(c["tp"]), pp=pp, cp=int(c["cp"]),
@@ -274,7 +344,7 @@ class Space:
             tp_comm_overlap=flags.tp_comm_overlap and "--tp-comm-overlap" not in adj.drop,
             distribute_saved_activations=(flags.distribute_saved_activations
                                           and "--distribute-saved-activations" not in adj.drop),
-            **layout_fields(flags, pp),
+            **fields,
         )
 
     def options(self, cand: Mapping[str, Any]) -> dict[str, Any]:
@@ -300,6 +370,24 @@ class Space:
                        + ("; the virtual pipeline size is the command's, not searched"
                           if any(p.get("when") == "pipeline" for p in (self.preset.get("params") or {}).values())
                           else ""))
+        if self.modules_name:
+            sets = list(self.params[self.modules_name].choices)
+            out.append(f"selective recompute searched with the module sets {sets} (--recompute-modules; "
+                       f"{self._default_modules()} is Megatron's default); switch it off with "
+                       f"~preset.params.{self.modules_name}")
+        if self.idle_modules:
+            gone = [v for v, runs in self.idle_modules.items() if runs is None]
+            runs_as = [f"{v} runs as {runs}" for v, runs in self.idle_modules.items() if runs is not None]
+            whys: dict[str, list[str]] = {}
+            for m, w in self.idle_why.items():
+                whys.setdefault(w, []).append(m)
+            out.append("recompute module sets " + "; ".join(
+                ([f"not searched: {', '.join(gone)}"] if gone else []) + runs_as) + " ("
+                + "; ".join(f"{', '.join(ms)}: {w}" for w, ms in whys.items()) + ")")
+        if flags.recompute_modules is not None and any(
+                (spec or {}).get("when") == "selective_recompute" for spec in (self.preset.get("params") or {}).values()):
+            out.append("--recompute-modules " + " ".join(flags.recompute_modules)
+                       + " is the command's: selective recompute runs it, the module sets are not searched")
         if self.vp_name:
             out.append(f"virtual pipeline size {self.vp_name} searched at pp > 1 among "
                        f"{list(self.params[self.vp_name].choices)} where Megatron accepts it (rule virtual_pipeline; "

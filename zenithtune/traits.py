@@ -49,6 +49,8 @@ def _as_text(value: Any) -> str | None:
     """An injected value as compared: None and False mean the option is absent."""
     if value is None or value is False or value == "false":
         return None
+    if isinstance(value, tuple):  # several values (--recompute-modules layernorm mlp)
+        return " ".join(value)
     return "true" if value is True else str(value)
 
 

@@ -433,6 +433,60 @@ def hybrid_cp_pipeline(lay: Layout, model: ModelInfo) -> str | None:
     return None
 
 
+# Megatron-core's --recompute-modules choices (TransformerConfig.__post_init__, 0.19), and what each
+# needs of the model to recompute anything. A searched value names a set joined by "+" ("layernorm+mlp"),
+# injected as one option with several values (--recompute-modules layernorm mlp).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
+                     "gdn_norm_out")
+# Not searchable: zenithtune does not read multi-latent or gated-delta-net attention from a model's shape.
+UNMODELLED_MODULES = ("mla_up_proj", "gdn_norm_out")
+MODULE_SEPARATOR = "+"
+
+
+def module_set(value: object) -> tuple[str, ...]:
+    """A searched module-set value ("layernorm+mlp") as Megatron's list of modules."""
+    return tuple(part for part in str(value).split(MODULE_SEPARATOR) if part)
+
+
+def module_set_problem(value: object) -> str | None:
+    """Why a preset's module-set value cannot be searched (None: it can), one line naming the fix."""
+    mods = module_set(value)
+    unknown = [m for m in mods if m not in RECOMPUTE_MODULES]
+    if not mods or unknown:
+        return (f"recompute module set {value!r}: {unknown[0] if unknown else 'empty'} is not one of Megatron's "
+                f"modules {list(RECOMPUTE_MODULES)}; join several with '{MODULE_SEPARATOR}' (layernorm+mlp)")
+    odd = [m for m in mods if m in UNMODELLED_MODULES]
+    if odd:
+        return (f"recompute module set {value!r}: {odd[0]} is not searched (zenithtune does not model that "
+                f"attention); write --recompute-modules in the command instead, which is then kept")
+    return None
+
+
+def module_idle(module: str, model: ModelInfo, local_impl: bool = False) -> str | None:
+    """Why recomputing `module` re-runs nothing of this model, or cannot run (None: it acts): mlp on a model
+    whose every layer is MoE, MoE modules on a dense model, shared_experts without them, layernorm on a
+    dense model (TransformerLayer recomputes only a norm that is not an IdentityOp; TE's layer spec fuses
+    both norms of a dense layer into the next linear, which keeps its input for the weight gradient, and
+    only a MoE layer's pre-MLP norm is a norm of its own), and every module but core_attn with
+    --transformer-impl local (real pretrain_gpt.py runs on CPU crashed or hung)."""
+    moe = model.is_moe
+    if module != "core_attn" and local_impl:
+        # real pretrain_gpt.py, megatron-core 0.19, CPU, --transformer-impl local (tests/megatron): layernorm's
+        # output-discarding checkpoint needs TE (CheckpointWithoutOutput: NameError FP8GlobalStateManager), and
+        # mlp never finished its first iteration (CheckpointFunction.backward re-entering itself)
+        return ("Megatron's module recompute beyond core_attn is built for Transformer Engine layers; with "
+                "--transformer-impl local layernorm crashed and mlp hung (megatron-core 0.19)")
+    if module == "layernorm" and not moe:
+        return "Transformer Engine fuses a dense layer's norms into its linears"
+    if module in ("moe", "moe_act", "shared_experts") and not moe:
+        return "the model has no MoE layers"
+    if module == "shared_experts" and not model.moe_shared_expert_size:
+        return "the model has no shared experts"
+    if module == "mlp" and moe and (model.moe_layer_freq or 1) == 1:
+        return "every layer is MoE (no dense MLP to recompute)"
+    return None
+
+
 def recompute_modules(lay: Layout, model: ModelInfo) -> str | None:
     """megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__: with selective
     recompute, "moe_act in recompute_modules is only supported with moe_grouped_gemm" (the modules are

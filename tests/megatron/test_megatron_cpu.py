@@ -128,7 +128,10 @@ def check_recorded(launched: list, printed: str) -> list[dict]:
 def test_grid_on_real_pretrain_gpt(tmp_path: Path) -> None:
     # TP 1/2 x PP 1/2 (TP2·PP2 > 2 ranks is pruned) x {full, selective} at MBS 2, and at PP 2 the searched
     # virtual pipeline size: vp 1 and 2 (2 layers per stage; vp 3..8 are pruned): eight launches, the two
-    # interleaved ones run by Megatron's interleaved 1F1B schedule from the injected flag.
+    # interleaved ones run by Megatron's interleaved 1F1B schedule from the injected flag. Selective recompute
+    # runs Megatron's default module set only: with --transformer-impl local on megatron-core 0.19,
+    # --recompute-modules layernorm crashed (NameError FP8GlobalStateManager) and mlp did not finish an
+    # iteration in 5 minutes, so the preset's other sets are not searched there (validate.module_idle).
     launched, printed = run_study(tmp_path, [
         "preset.params.tp.values=[1,2]", "preset.params.pp.values=[1,2]",
         "preset.params.cp.values=[1]", "preset.params.mbs.values=[2]",
@@ -145,6 +148,7 @@ def test_grid_on_real_pretrain_gpt(tmp_path: Path) -> None:
         argv = t.user_attrs.get("argv") or []
         assert argv[argv.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2", argv
     assert {c["recompute_granularity"] for c in done} == {"full", "selective"}, printed
+    assert not any("--recompute-modules" in (t.user_attrs.get("argv") or []) for t in launched), printed
     assert {c["mbs"] for c in done} == {2}, printed
     assert "best: trial" in printed
 

@@ -369,7 +369,7 @@ def parse_megatron(argv: list[str], env: dict[str, str]) -> SimConfig:
         vpp_size=args.num_virtual_stages_per_pipeline_rank,
         recompute_granularity=granularity, recompute_method=method, recompute_num_layers=num_layers,
         sequence_parallel=sequence_parallel, overlap_p2p=args.overlap_p2p_comm,
-        pipeline_extra_layers=flags.pipeline_extra_layers, **layout_fields(flags))
+        pipeline_extra_layers=flags.pipeline_extra_layers, local_impl=flags.local_impl, **layout_fields(flags))
 
     check_overlap_flags(args, sequence_parallel)
     train_iters = args.train_iters if args.train_iters is not None else max(1, args.train_samples // gbs)

@@ -174,7 +174,7 @@ def parse_swift(argv: list[str], env: dict[str, str]) -> SimConfig:
         vpp_size=args.virtual_pipeline_model_parallel_size,
         recompute_granularity=granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, sequence_parallel=sp,
-        pipeline_extra_layers=flags.pipeline_extra_layers, **layout_fields(flags))
+        pipeline_extra_layers=flags.pipeline_extra_layers, local_impl=flags.local_impl, **layout_fields(flags))
     if min(tp, layout.pp, layout.cp, layout.ep, layout.expert_tp, layout.mbs, n) < 1:
         raise ConfigError("parallel sizes, --micro_batch_size and the world size must be positive integers")
     check_overlap_flags(args, sp)

@@ -25,6 +25,7 @@ ATTN_BWD_RATIO = 0.78  # flash-attention backward runs at this fraction of its f
 ATTN_SEQ_HALF = 384.0  # attention efficiency halves at this many tokens per rank
 HBM_EFFICIENCY = 0.75  # memory-bound kernels reach this fraction of HBM bandwidth
 SEQ_ELEMENTWISE_BYTES = 36.0  # per token x h per layer fwd: norms, residual adds, dropouts
+NORM_BYTES = 12.0  # of those, the two norms' (read and write bf16, fp32 statistics)
 LAYER_OVERHEAD_S = 35e-6  # per layer per micro-batch forward: launch gaps and syncs (backward 2x)
 LINK_EFFICIENCY = 0.80  # achieved bus bandwidth of a collective, of the link's rated bandwidth
 A2A_EFFICIENCY = 0.60  # all-to-all reaches less of the link than a ring collective
@@ -120,6 +121,11 @@ class LayerTime:
     cp_fwd: float  # exposed CP ring traffic, forward
     cp_bwd: float
     ep: float  # exposed EP all-to-all per direction (same forward and backward)
+    # what each of Megatron's --recompute-modules re-runs in the backward (forward seconds, its traffic in)
+    modules: tuple[tuple[str, float], ...] = ()
+
+    def module_fwd(self, names: tuple[str, ...]) -> float:
+        return sum(sec for name, sec in self.modules if name in names)
 
     @property
     def comm_fwd(self) -> float:
@@ -150,21 +156,31 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
     gemm = clk.gemm(tok, x.a * x.d / x.t + 2 * x.d * x.g_rank, x.h) + clk.gemm(tok, x.h, x.a * x.d / x.t)
     elem = SEQ_ELEMENTWISE_BYTES * x.h / seq_split + 4.0 * (x.a * x.d / x.t + x.d * x.g_rank)  # + rotary
     ep = 0.0
+    modules: tuple[tuple[str, float], ...]
+    # the two norms read and write tok x h (bf16, fp32 statistics): what layernorm recompute re-runs
+    norms = NORM_BYTES * x.h / seq_split * tok / clk.hbm * (1.0 if cfg.layout.local_impl else 0.5 if moe else 0.0)
     if moe:
         expert_tok = tok * x.k * x.et * x.e / (x.t * x.E)  # tokens per local expert on this rank
-        gemm += MOE_IMBALANCE * (x.E / x.e) * (
+        experts = MOE_IMBALANCE * (x.E / x.e) * (
             clk.gemm(expert_tok, (x.gated - 1) * x.Fm / x.et, x.h, GROUPED_GEMM_FACTOR)
             + clk.gemm(expert_tok, x.h, x.Fm / x.et, GROUPED_GEMM_FACTOR))
-        gemm += clk.gemm(tok / seq_split, x.E, x.h, 0.5)  # router: a skinny GEMM
-        if x.Fs:
-            gemm += clk.gemm(tok, (x.gated - 1) * x.Fs / x.t, x.h) + clk.gemm(tok, x.h, x.Fs / x.t)
-        elem += x.k * MOE_IMBALANCE * (8.0 * x.h + 2.0 * x.gated * x.Fm / x.et) * x.et / x.t  # permute + act
+        router = clk.gemm(tok / seq_split, x.E, x.h, 0.5)  # a skinny GEMM
+        shared = clk.gemm(tok, (x.gated - 1) * x.Fs / x.t, x.h) + clk.gemm(tok, x.h, x.Fs / x.t) if x.Fs else 0.0
+        gemm += experts + router + shared
+        act = x.k * MOE_IMBALANCE * 2.0 * x.gated * x.Fm / x.t * tok / clk.hbm  # the experts' activation function
+        moe_elem = x.k * MOE_IMBALANCE * (8.0 * x.h + 2.0 * x.gated * x.Fm / x.et) * x.et / x.t  # permute + act
+        elem += moe_elem
         if x.e > 1:
             nbytes = (tok / seq_split) * x.k * x.h * 2.0 * (x.e - 1) / x.e
             ep = 2 * _all_to_all(cfg, clk, x, nbytes) * EP_EXPOSED * cfg.perturb.ep_comm  # dispatch + combine
+        # moe re-runs the whole layer's MoE part, its token dispatch included
+        modules = (("layernorm", norms), ("moe_act", act), ("shared_experts", shared),
+                   ("moe", experts + router + shared + moe_elem * tok / clk.hbm + ep))
     else:
-        gemm += clk.gemm(tok, (x.gated - 1) * x.F / x.t, x.h) + clk.gemm(tok, x.h, x.F / x.t)
+        mlp = clk.gemm(tok, (x.gated - 1) * x.F / x.t, x.h) + clk.gemm(tok, x.h, x.F / x.t)
+        gemm += mlp
         elem += 2.0 * x.gated * x.F / x.t
+        modules = (("layernorm", norms), ("mlp", mlp + 2.0 * x.gated * x.F / x.t * tok / clk.hbm))
     elem_time = elem * tok / clk.hbm
 
     seq = tok / x.b  # query tokens per sequence on this rank
@@ -205,7 +221,10 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
 
     fwd = gemm + attn_fwd + elem_time + LAYER_OVERHEAD_S
     bwd = 2 * gemm + attn_bwd + 2 * elem_time + 2 * LAYER_OVERHEAD_S
-    return LayerTime(fwd, bwd, attn_fwd, tp_f, tp_b, cp_f, cp_b, ep)
+    if not moe and x.t > 1:  # a recomputed dense MLP gathers its sequence-split input again (half the TP traffic)
+        modules = (modules[0], ("mlp", modules[1][1] + tp_f / 2))
+    return LayerTime(fwd, bwd, attn_fwd, tp_f, tp_b, cp_f, cp_b, ep,
+                     modules=(("core_attn", attn_fwd), *modules))
 
 
 def iteration_time(cfg: SimConfig) -> IterationTime:
@@ -220,15 +239,16 @@ def iteration_time(cfg: SimConfig) -> IterationTime:
     def total(field: str) -> float:
         return sum(count * getattr(lt, field) for count, lt in parts)
 
-    fwd, bwd, attn = total("fwd"), total("bwd"), total("attn_fwd")
+    fwd, bwd = total("fwd"), total("bwd")
     comm_f, comm_b = total("comm_fwd"), total("comm_bwd")
     # recompute: full re-runs the forward (with its traffic) of recomputed layers; selective re-runs attention
     if lay.recompute_granularity == "full":
         n = lay.recompute_num_layers or 1
         share = 1.0 if lay.recompute_method == "uniform" else min(n, ls) / ls
         recompute = share * (fwd + comm_f)
-    elif lay.recompute_granularity == "selective":
-        recompute = attn
+    elif lay.recompute_granularity == "selective":  # the modules' forwards (Megatron's default: core_attn)
+        names = lay.recompute_modules or ("core_attn",)
+        recompute = sum(count * lt.module_fwd(names) for count, lt in parts)
     else:
         recompute = 0.0
     layer_fwd = fwd + comm_f

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from zenithtune.space import LAYOUT_PARAMS
+from zenithtune.validate import module_set
 
 LEVEL_SD = 0.3  # the prior's absolute level (log scale): it already includes a typical efficiency
 SIZE_SD = 0.05  # per doubling of a parallel size or the micro-batch
@@ -35,7 +36,8 @@ MODE_SD = 0.04  # per recompute mode / ViT checkpointing value / crossing flag
 LAYOUT_SD = 0.03  # per layout
 NOISE_SD = 0.01  # measurement noise and what the features cannot explain
 TRUST_SCALES = (1.0, 2.0, 4.0)  # candidate multipliers of the feature/layout scales (empirical Bayes)
-_MODES = ("none", "selective", "full/uniform", "full/block")
+# recompute modes; selective recompute of the dense MLP or the MoE part re-runs GEMMs (a mode of its own)
+_MODES = ("none", "selective", "selective/mlp", "selective/moe", "full/uniform", "full/block")
 
 
 def features(c: dict[str, Any], *, gpus_per_node: int, n_gpus: int, num_layers: int) -> list[float]:
@@ -44,6 +46,9 @@ def features(c: dict[str, Any], *, gpus_per_node: int, n_gpus: int, num_layers: 
     mode = str(c.get("recompute_granularity") or "none")
     if mode == "full":
         mode = f"full/{c.get('recompute_method')}"
+    elif mode == "selective":
+        mods = module_set(c.get("recompute_modules") or "core_attn")
+        mode = "selective/moe" if "moe" in mods else "selective/mlp" if "mlp" in mods else mode
     per_stage = max(1, num_layers // pp)
     block = (int(c.get("recompute_num_layers") or 0) / per_stage) if mode == "full/block" else 0.0
     vit = c.get("vit_gradient_checkpointing")

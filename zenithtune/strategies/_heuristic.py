@@ -91,7 +91,7 @@ def _lay(c: dict, vp: bool = True) -> tuple:
 
 def _rec(c: dict) -> tuple:
     g = c.get("recompute_granularity")
-    return (g, c.get("recompute_method")) if g == "full" else (g, None)
+    return (g, c.get("recompute_method")) if g == "full" else (g, c.get("recompute_modules"))
 
 
 class HeuristicStrategy(Strategy):
@@ -617,6 +617,8 @@ class HeuristicStrategy(Strategy):
 
 
 def _rec_desc(c: dict) -> str:
+    if c.get("recompute_granularity") == "selective" and c.get("recompute_modules"):
+        return f"selective/{c['recompute_modules']}"
     if c.get("recompute_granularity") != "full":
         return str(c.get("recompute_granularity"))
     return f"full/{c.get('recompute_method')}/{c.get('recompute_num_layers')}"

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Literal
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
+from zenithtune.validate import module_set
 
 if TYPE_CHECKING:
     import optuna
@@ -58,7 +59,11 @@ LAYOUT_STAGE = "layout"
 SETTINGS_STAGE = "settings"
 SAFE_SHARE = 0.9  # stage 1's settings must be predicted to use at most this share of GPU memory
 # Recompute from cheapest to most memory-saving; stage 1 takes the first that fits.
+# Module sets of selective recompute (those the space does not search are invalid there, and skipped)
+# take their place by their work (`_work`).
 RECOMPUTE_LADDER = ([{"recompute_granularity": "none"}, {"recompute_granularity": "selective"}]
+                    + [{"recompute_granularity": "selective", "recompute_modules": m}
+                       for m in ("layernorm", "layernorm+moe_act", "mlp", "moe")]
                     + [{"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": n}
                        for n in range(1, 9)]
                     + [{"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}])
@@ -67,6 +72,8 @@ RECOMPUTE_LADDER = ([{"recompute_granularity": "none"}, {"recompute_granularity"
 # checkpointing only the (small) vision tower. Used to rank layouts, never as a prediction of speed.
 FULL_RECOMPUTE_WORK = 1 / 3
 SELECTIVE_WORK = 0.02
+# selective recompute of the dense MLP or the MoE part re-runs most of a layer's GEMMs (about 2/3 of them)
+SELECTIVE_GEMM_WORK = 0.2
 VIT_CHECKPOINT_WORK = 0.01
 # A larger MBS that needs more recompute is tried next to the best only if it adds at most this much work.
 NEIGHBOUR_EXTRA_WORK = 0.1
@@ -157,7 +164,7 @@ class StagedBlackboxStrategy(Strategy):
         if "vit_gradient_checkpointing" in self.space.params:
             base["vit_gradient_checkpointing"] = True
         cap = self.judge.capacity_gb
-        for rec in RECOMPUTE_LADDER:
+        for rec in sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r})):
             cand = self.space.normalize({**base, **rec})
             a = self.judge.assess(cand)
             if not a.valid:
@@ -176,7 +183,8 @@ class StagedBlackboxStrategy(Strategy):
         extra = VIT_CHECKPOINT_WORK if c.get("vit_gradient_checkpointing") else 0.0
         g = c.get("recompute_granularity", "none")
         if g == "selective":
-            extra += SELECTIVE_WORK
+            mods = module_set(c.get("recompute_modules") or "core_attn")
+            extra += SELECTIVE_GEMM_WORK if "mlp" in mods or "moe" in mods else SELECTIVE_WORK
         elif g == "full":
             share = 1.0
             if c.get("recompute_method") == "block":

@@ -30,6 +30,7 @@ import numpy as np
 
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.shape import Shape
+from zenithtune.validate import module_set
 
 PEAK_FLOPS = 989e12
 # What real runs reach of this model's ideal: kernels below roofline, launch gaps, stragglers, the
@@ -47,6 +48,7 @@ A2A_EFF = 0.6  # all-to-all reaches less of the link than a ring
 DP_MIN_EXPOSED = 0.12  # the last gradient bucket is never hidden
 SELECTIVE_EXTRA = 1 / 3  # selective recompute re-runs the attention core's forward (of its fwd+bwd)
 FULL_EXTRA = 1 / 3  # full recompute re-runs the whole layer's forward
+LIGHT_EXTRA = 0.005  # an output-discarding module (layernorm, moe_act) re-runs an elementwise kernel
 
 
 def model_flops_per_token(x: Shape) -> float:
@@ -162,12 +164,22 @@ def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
     bw = lambda span: _bandwidth(span, gpus_per_node)  # noqa: E731
     return dict(
         **_layer_compute(x, tok, t, e, et), **_layer_comm(x, tok, t, c, e, et, gpus_per_node),
-        vision=_vision_seconds(x, b, cand), frac=recomputed / per_stage, selective=float(gran == "selective"),
+        vision=_vision_seconds(x, b, cand), frac=recomputed / per_stage, **_selective(cand),
         per_stage=float(per_stage), moe_share=x.n_moe / x.L,
         logits_gemm=tok * 6 * x.h * x.V / t / (PEAK_FLOPS * _eff(tok, x.V / t)),
         logits_comm=2 * _ring(4 * tok * x.h, t, bw(t)),
         p2p=0.0 if p == 1 else v * 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5,
         m=float(m), bubble=float(p - 1) / v, **_dp_sync(x, n_gpus, t, p, c, e, et, d_, gpus_per_node))
+
+
+def _selective(cand: Mapping[str, Any]) -> dict[str, float]:
+    """Which parts of a layer selective recompute re-runs (Megatron's --recompute-modules; default core_attn)."""
+    if cand.get("recompute_granularity") != "selective":
+        return {"sel_attn": 0.0, "sel_mlp": 0.0, "sel_moe": 0.0, "sel_light": 0.0}
+    mods = module_set(cand.get("recompute_modules") or "core_attn")
+    return {"sel_attn": float("core_attn" in mods), "sel_mlp": float("mlp" in mods),
+            "sel_moe": float("moe" in mods) + 0.5 * float("shared_experts" in mods),
+            "sel_light": float(sum(m in mods for m in ("layernorm", "moe_act")))}
 
 
 def _max(a: Any, b: Any) -> Any:
@@ -193,8 +205,14 @@ def assemble(pc: Mapping[str, Any], mult: Mapping[str, Any] | None = None) -> An
         compute = attn_lin + scores + (pc["moe_mlp"] if moe else pc["dense_mlp"]) * mg
         # a MoE layer's MLP trades TP traffic for the token dispatcher's (EP all-to-all, ETP gathers)
         comm = tp_half + cp_comm + (ep_comm if moe else tp_half)
-        # a recomputed layer runs its forward (and its forward traffic) twice; selective re-runs attention
-        extra = frac * (FULL_EXTRA * compute + comm / 2) + pc["selective"] * (SELECTIVE_EXTRA * scores)
+        # a recomputed layer runs its forward (and its forward traffic) twice; selective re-runs its modules:
+        # the attention core, the dense MLP (with its TP gather) or the MoE part (with its token dispatch)
+        extra = frac * (FULL_EXTRA * compute + comm / 2) + pc["sel_attn"] * (SELECTIVE_EXTRA * scores)
+        if moe:
+            extra = extra + pc["sel_moe"] * (FULL_EXTRA * pc["moe_mlp"] * mg + ep_comm / 2)
+        else:
+            extra = extra + pc["sel_mlp"] * (FULL_EXTRA * pc["dense_mlp"] * mg + tp_half / 2)
+        extra = extra + pc["sel_light"] * LIGHT_EXTRA * compute
         return compute + comm + extra
 
     moe_share = pc["moe_share"]
