@@ -52,7 +52,7 @@ LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
 # memory). The enumeration fixes `vp` with mbs, since its rule reads the micro-batch count, and
 # staged_blackbox and the calibration's per-layout term treat it as a setting: LAYOUT_PARAMS stays the sizes.
 LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "etp")
-RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 # What each rule reads of a candidate, so the enumeration runs it as soon as that much is fixed:
 # layout dimensions by name, "mbs" (the micro-batch size and the virtual pipeline size, which are
 # enumerated together), and "rest" (the recompute/ViT parameters); expert_grid waits for cp

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from zenithtune.run import FailureKind
-from zenithtune.space import LAYOUT_PARAMS
+from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 from zenithtune.validate import module_set
 
@@ -212,8 +212,7 @@ class StagedBlackboxStrategy(Strategy):
         """The lightest untried setting of `best`'s layout at its MBS that the screen admits and is
         lighter than `best`'s, and the lightest one lighter still that only the screen hides."""
         b = best.candidate
-        rest = {k: v for k, v in b.items() if k not in ("recompute_granularity", "recompute_method",
-                                                        "recompute_num_layers", "vit_gradient_checkpointing")}
+        rest = {k: v for k, v in b.items() if k not in (*RECOMPUTE_PARAMS, "vit_gradient_checkpointing")}
         same = [c for k, c in self._by_layout.get(_layout(self.space, b), {}).items()
                 if k not in tried and all(c.get(n) == v for n, v in rest.items())]
         hidden = None
@@ -399,6 +398,8 @@ def _rec(c: dict) -> str:
     g = c.get("recompute_granularity", "none")
     s = f"recompute {g}" if g != "full" else \
         f"full recompute ({c.get('recompute_method')}, {c.get('recompute_num_layers')} layers)"
+    if g == "selective" and c.get("recompute_modules"):
+        s += f" ({c['recompute_modules']})"
     if c.get("vit_gradient_checkpointing") is not None:
         s += f", ViT checkpointing {'on' if c['vit_gradient_checkpointing'] else 'off'}"
     return s
