@@ -321,6 +321,21 @@ def test_a_bound_from_a_measured_run_proves_a_neighbour_fits_and_proves_nothing_
     assert mm.bound_growth is None and mm.bound(two) is None and mm.bound(pp1) is None
 
 
+def test_an_oom_refutes_the_inflation_that_proved_it_even_when_its_lesson_moves_the_bound():
+    """MBS 2 is proven at x2 from a measured MBS 1 and runs out of memory, saying it needed 400 GB. What the
+    OOM teaches (a far larger multiplier) puts the same bound above the limit now, so re-checking the OOM
+    against today's bound finds nothing wrong with x2; the inflation that proved it was wrong all the same,
+    and the next bound uses x3 (robustness.py's memory trainer ran a 4th OOM at x2 after a 3rd at x2)."""
+    mm = MemoryModel(LLAMA8, 141)
+    one, two = (Layout(8, 64, tp=2, pp=2, sequence_parallel=True, mbs=m, **SEL) for m in (1, 2))
+    e1 = mm.estimate(one)
+    mm.observe_success(one, measured_peak_gb=e1.allocated_gb, reserved_gb=e1.allocated_gb * 1.05, tag=7)
+    assert mm.bound_growth == 2.0 and mm.bound(two)[0] <= mm.bound_limit(two)  # proven: it is launched
+    mm.observe_oom(two, needed_gb=400)
+    assert mm.bound(two)[0] > mm.bound_limit(two)  # today's bound no longer proves it ...
+    assert mm.bound_growth == 3.0  # ... and x2 is refuted anyway
+
+
 def test_a_bound_does_not_trust_changes_that_cancel_in_the_estimate():
     """CP 2 at MBS 2 holds what CP 1 at MBS 1 holds, by the estimate; the bound walks one size at a time
     and takes the worse order (MBS first: the activations double before CP halves them)."""

@@ -460,6 +460,7 @@ class MemoryModel:
         self._oom: list[MemoryEstimate] = []  # what ran out of memory
         self._oom_at: list[tuple[Layout, bool | None]] = []  # ... as (layout, ViT checkpointing)
         self._growth: tuple[int, float | None] | None = None  # (observations it was computed on, bound_growth)
+        self._refuted = 0.0  # the largest growth a bound-proven run that ran out of memory refuted
         n = len(COMPONENTS)
         self._w = np.ones(n)  # learned multipliers, in COMPONENTS' order
         self._cov = np.eye(n) * COMPONENT_SD ** 2  # their posterior covariance
@@ -710,8 +711,8 @@ class MemoryModel:
         proves nothing in this study): a trainer whose memory grows faster than the estimate says (more
         buffers per micro-batch, another allocator) makes the bound more pessimistic, not wrong again."""
         if self._growth is None or self._growth[0] != len(self._oom_at) + len(self._held):
-            found = next((g for g in GROWTHS if not any(self._proves(lay, vit, g) for lay, vit in self._oom_at)),
-                         None)
+            found = next((g for g in GROWTHS if g > self._refuted
+                          and not any(self._proves(lay, vit, g) for lay, vit in self._oom_at)), None)
             self._growth = (len(self._oom_at) + len(self._held), found)
         return self._growth[1]
 
@@ -782,6 +783,13 @@ class MemoryModel:
         est = self.estimate(layout, vit_checkpointing)
         if est is None:
             return
+        # A bound that proved this run fits is refuted as it stood then: what the OOM teaches the learned
+        # model (a larger multiplier, a larger reservation ratio) can make the same bound no longer prove
+        # this layout, while it still proves its neighbours at the same inflation (robustness.py, memory
+        # trainer: a 4th OOM at x2 after a 3rd at x2).
+        growth = self.bound_growth
+        if growth is not None and self._proves(layout, vit_checkpointing, growth):
+            self._refuted = max(self._refuted, growth)
         self._oom.append(est)
         self._oom_at.append((layout, vit_checkpointing))
         need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
