@@ -231,7 +231,7 @@ def _activations(sh: Shape, layout: Layout, flash_attention: bool) -> _Activatio
 
     gran = layout.recompute_granularity
     # selective recompute re-runs these modules (Megatron's default: the attention core alone)
-    modules = (layout.recompute_modules or ("core_attn",)) if gran == "selective" else ()
+    modules = layout.selective_modules
     moe_frac = sh.n_moe / sh.L
     routed_layer = moe_frac * routed(True)  # of a fully recomputed layer
     scores = not flash_attention and (gran is None or (gran == "selective" and "core_attn" not in modules))

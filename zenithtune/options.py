@@ -18,7 +18,7 @@ from zenithtune.validate import module_set
 
 __all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
            "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes",
-           "states_virtual", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
+           "states_virtual", "states_modules", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
 
 SequenceParallelMode = Literal["auto", "command"]
 
@@ -45,6 +45,12 @@ def states_virtual(flags: CommandFacts) -> bool:
     """Does the command fix its own virtual pipeline size (either spelling, or a pipeline layout, which
     implies one)? Then the preset's virtual pipeline parameter is not searched and never injected."""
     return bool(flags.layers_per_virtual_stage or flags.virtual_stages or flags.pipeline_layout)
+
+
+def states_modules(flags: CommandFacts) -> bool:
+    """Does the command name its own --recompute-modules? Then selective recompute runs that set: the
+    preset's module sets are not searched and never injected."""
+    return flags.recompute_modules is not None
 
 
 def command_sizes(flags: CommandFacts, searched: Collection[str]) -> dict[str, int]:
@@ -222,7 +228,7 @@ def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,
                 continue  # the command's own virtual size runs (adjust drops it at pp=1); not searched
             if flags.trainer == "swift":
                 option = SWIFT_VPP_OPTION
-        if spec.get("when") == "selective_recompute" and flags.recompute_modules is not None:
+        if spec.get("when") == "selective_recompute" and states_modules(flags):
             continue  # the command's own --recompute-modules runs; the module sets are not searched
         if v is not None and "absent" in spec and v == spec["absent"]:
             v = None

@@ -24,6 +24,7 @@ from zenithtune.options import (
     layout_notes,
     options_for,
     sequence_parallel_note,
+    states_modules,
     states_virtual,
 )
 from zenithtune.validate import (
@@ -205,7 +206,7 @@ class Space:
             if p.when != "selective_recompute":
                 out.append(p)
                 continue
-            if ctx.flags.recompute_modules is not None:
+            if states_modules(ctx.flags):
                 continue
             for v in p.choices:
                 problem = module_set_problem(v)
@@ -384,9 +385,9 @@ class Space:
             out.append("recompute module sets " + "; ".join(
                 ([f"not searched: {', '.join(gone)}"] if gone else []) + runs_as) + " ("
                 + "; ".join(f"{', '.join(ms)}: {w}" for w, ms in whys.items()) + ")")
-        if flags.recompute_modules is not None and any(
+        if states_modules(flags) and any(
                 (spec or {}).get("when") == "selective_recompute" for spec in (self.preset.get("params") or {}).values()):
-            out.append("--recompute-modules " + " ".join(flags.recompute_modules)
+            out.append("--recompute-modules " + " ".join(flags.recompute_modules or ())
                        + " is the command's: selective recompute runs it, the module sets are not searched")
         if self.vp_name:
             out.append(f"virtual pipeline size {self.vp_name} searched at pp > 1 among "

@@ -66,6 +66,13 @@ class Layout:
     last_stage_layers: int | None = field(default=None, repr=False)  # --decoder-last-pipeline-num-layers
 
     @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """What selective recompute re-runs (the modules given, else Megatron's default); () otherwise."""
+        if self.recompute_granularity != "selective":
+            return ()
+        return self.recompute_modules or DEFAULT_MODULES
+
+    @property
     def expert_tp(self) -> int:
         return self.etp if self.etp is not None else self.tp
 
@@ -441,11 +448,21 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 # Not searchable: zenithtune does not read multi-latent or gated-delta-net attention from a model's shape.
 UNMODELLED_MODULES = ("mla_up_proj", "gdn_norm_out")
 MODULE_SEPARATOR = "+"
+DEFAULT_MODULES = ("core_attn",)  # what Megatron-core recomputes under selective when no module is named
 
 
 def module_set(value: object) -> tuple[str, ...]:
     """A searched module-set value ("layernorm+mlp") as Megatron's list of modules."""
     return tuple(part for part in str(value).split(MODULE_SEPARATOR) if part)
+
+
+def candidate_modules(cand: Mapping[str, object]) -> tuple[str, ...]:
+    """What a candidate's selective recompute re-runs (its module set, else Megatron's default); () when its
+    recompute is not selective."""
+    if cand.get("recompute_granularity") != "selective":
+        return ()
+    value = cand.get("recompute_modules")
+    return module_set(value) if value else DEFAULT_MODULES
 
 
 def module_set_problem(value: object) -> str | None:

@@ -191,24 +191,23 @@ def _layer_activation_bytes(cfg: SimConfig, x: Shape, moe: bool, stored: str) ->
     qkv = 2.0 * (x.a * x.d / x.t + 2 * x.d * x.g_rank)
     tensor_part = qkv + 2.0 * x.a * x.d / x.t + 4.0 * x.a / x.t  # Q,K,V + attention output + softmax stats
     # selective recompute drops what its modules re-run (Megatron-core --recompute-modules; default core_attn)
-    mods = (cfg.layout.recompute_modules or ("core_attn",)) if stored == "selective" else ()
+    mods = cfg.layout.selective_modules if stored == "selective" else ()
     if "layernorm" in mods:
         # the norms' outputs (the QKV and FC1 inputs) are re-made in the backward where a norm is a module
         # of its own: both with the local implementation; with TE only a MoE layer's pre-MLP norm (TE fuses
         # the others into the next linear, which keeps its input)
         seq_part -= 4.0 * x.h if cfg.layout.local_impl else 2.0 * x.h if moe else 0.0
-    if moe and "moe" in mods:
-        pass  # the whole MoE part re-runs from its input (the FC1 input above)
-    elif moe:
-        # FC1 output(s) and, unless moe_act re-runs it, the activation output (Fm wide) per routed copy
-        kept = 2.0 * x.gated * x.Fm - (2.0 * x.Fm if "moe_act" in mods else 0.0)
-        if cfg.flavour.expert_split == "etp":  # tokens gathered over TP, the expert FFN split over ETP
-            expert = x.k * MOE_IMBALANCE * (4.0 * x.h + kept / x.et)
-        else:
-            expert = x.k * MOE_IMBALANCE * (4.0 * x.h + kept) / x.t  # routed copies, FC1, act
-        shared = 2.0 * x.gated * x.Fs / x.t if x.Fs and "shared_experts" not in mods else 0.0
-        # the perturbation scales the routed part on its own; `act` below scales the rest
-        tensor_part += expert * cfg.perturb.expert_activations / act + shared + 4.0 * x.E / x.t
+    if moe:
+        if "moe" not in mods:  # (recomputing `moe` re-runs the whole MoE part from its input, kept above)
+            # FC1 output(s) and, unless moe_act re-runs it, the activation output (Fm wide) per routed copy
+            kept = 2.0 * x.gated * x.Fm - (2.0 * x.Fm if "moe_act" in mods else 0.0)
+            if cfg.flavour.expert_split == "etp":  # tokens gathered over TP, the expert FFN split over ETP
+                expert = x.k * MOE_IMBALANCE * (4.0 * x.h + kept / x.et)
+            else:
+                expert = x.k * MOE_IMBALANCE * (4.0 * x.h + kept) / x.t  # routed copies, FC1, act
+            shared = 2.0 * x.gated * x.Fs / x.t if x.Fs and "shared_experts" not in mods else 0.0
+            # the perturbation scales the routed part on its own; `act` below scales the rest
+            tensor_part += expert * cfg.perturb.expert_activations / act + shared + 4.0 * x.E / x.t
     elif "mlp" not in mods:
         tensor_part += 2.0 * x.gated * x.F / x.t  # FC1 output(s) + activation output
     per_token = seq_part / seq_split + tensor_part

@@ -247,8 +247,7 @@ def iteration_time(cfg: SimConfig) -> IterationTime:
         share = 1.0 if lay.recompute_method == "uniform" else min(n, ls) / ls
         recompute = share * (fwd + comm_f)
     elif lay.recompute_granularity == "selective":  # the modules' forwards (Megatron's default: core_attn)
-        names = lay.recompute_modules or ("core_attn",)
-        recompute = sum(count * lt.module_fwd(names) for count, lt in parts)
+        recompute = sum(count * lt.module_fwd(lay.selective_modules) for count, lt in parts)
     else:
         recompute = 0.0
     layer_fwd = fwd + comm_f

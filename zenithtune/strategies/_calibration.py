@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from zenithtune.space import LAYOUT_PARAMS
-from zenithtune.validate import module_set
+from zenithtune.validate import candidate_modules
 
 LEVEL_SD = 0.3  # the prior's absolute level (log scale): it already includes a typical efficiency
 SIZE_SD = 0.05  # per doubling of a parallel size or the micro-batch
@@ -47,7 +47,7 @@ def features(c: dict[str, Any], *, gpus_per_node: int, n_gpus: int, num_layers: 
     if mode == "full":
         mode = f"full/{c.get('recompute_method')}"
     elif mode == "selective":
-        mods = module_set(c.get("recompute_modules") or "core_attn")
+        mods = candidate_modules(c)
         mode = "selective/moe" if "moe" in mods else "selective/mlp" if "mlp" in mods else mode
     per_stage = max(1, num_layers // pp)
     block = (int(c.get("recompute_num_layers") or 0) / per_stage) if mode == "full/block" else 0.0

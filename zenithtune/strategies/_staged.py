@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Literal
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
-from zenithtune.validate import module_set
+from zenithtune.validate import candidate_modules
 
 if TYPE_CHECKING:
     import optuna
@@ -183,7 +183,7 @@ class StagedBlackboxStrategy(Strategy):
         extra = VIT_CHECKPOINT_WORK if c.get("vit_gradient_checkpointing") else 0.0
         g = c.get("recompute_granularity", "none")
         if g == "selective":
-            mods = module_set(c.get("recompute_modules") or "core_attn")
+            mods = candidate_modules(c)
             extra += SELECTIVE_GEMM_WORK if "mlp" in mods or "moe" in mods else SELECTIVE_WORK
         elif g == "full":
             share = 1.0

@@ -30,7 +30,7 @@ import numpy as np
 
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.shape import Shape
-from zenithtune.validate import module_set
+from zenithtune.validate import candidate_modules
 
 PEAK_FLOPS = 989e12
 # What real runs reach of this model's ideal: kernels below roofline, launch gaps, stragglers, the
@@ -174,9 +174,7 @@ def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
 
 def _selective(cand: Mapping[str, Any]) -> dict[str, float]:
     """Which parts of a layer selective recompute re-runs (Megatron's --recompute-modules; default core_attn)."""
-    if cand.get("recompute_granularity") != "selective":
-        return {"sel_attn": 0.0, "sel_mlp": 0.0, "sel_moe": 0.0, "sel_light": 0.0}
-    mods = module_set(cand.get("recompute_modules") or "core_attn")
+    mods = candidate_modules(cand)  # () without selective recompute: every share 0
     return {"sel_attn": float("core_attn" in mods), "sel_mlp": float("mlp" in mods),
             "sel_moe": float("moe" in mods) + 0.5 * float("shared_experts" in mods),
             "sel_light": float(sum(m in mods for m in ("layernorm", "moe_act")))}
