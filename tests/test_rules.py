@@ -172,6 +172,8 @@ TUNER_ONLY_CASES = (
           "--transformer-impl local")),
     Case("tp_comm_overlap", Layout(n_gpus=8, gbs=64, tp=1, tp_comm_overlap=True), DENSE,
          ("--tp-comm-overlap", "tp=1")),
+    Case("moe_a2a_overlap", Layout(n_gpus=8, gbs=64, ep=8, pp=2, moe_a2a_overlap=True, moe_dispatcher="alltoall"), MOE,
+         ("virtual_pipeline_model_parallel_size must be specified", "pp=2")),
     Case("distribute_saved_activations", Layout(n_gpus=8, gbs=64, distribute_saved_activations=True,
                                                 recompute_granularity="full", recompute_method="uniform",
                                                 recompute_num_layers=1), DENSE, ("tp=1",), "tp1"),

@@ -67,7 +67,9 @@ def test_normalize_drops_parameters_that_do_not_apply():
     cand = {"tp": 2, "ep": 4, "mbs": 1, "recompute_granularity": "selective", "recompute_method": "block",
             "vit_gradient_checkpointing": True}
     # a selective candidate naming no module set runs Megatron's default one, core_attn
-    assert s.normalize(cand) == {"tp": 2, "mbs": 1, "recompute_granularity": "selective", "recompute_modules": "core_attn"}
+    # ... and a candidate from before the overlap switches runs them off
+    assert s.normalize(cand) == {"tp": 2, "mbs": 1, "recompute_granularity": "selective", "recompute_modules": "core_attn",
+                                 "tp_comm_overlap": False}
     moe = space(QWEN_MOE, n_gpus=16)
     assert moe.normalize({"tp": 1, "ep": 8, "etp": 1})["ep"] == 8
 
@@ -126,7 +128,7 @@ def test_suggest_replays_an_enqueued_candidate_exactly():
     s = space(QWEN_MOE, n_gpus=16, gbs=64)
     study = optuna.create_study(direction="maximize")
     cand = {"tp": 2, "pp": 2, "vp": 1, "cp": 1, "ep": 4, "etp": 1, "mbs": 2, "recompute_granularity": "full",
-            "recompute_method": "uniform", "recompute_num_layers": 2}
+            "recompute_method": "uniform", "recompute_num_layers": 2, "tp_comm_overlap": False}
     study.enqueue_trial(cand)
     trial = study.ask()
     assert s.suggest(trial) == cand
@@ -179,7 +181,7 @@ def test_a_16384_gpu_world_with_256_experts_walks():
     cands = list(s.walk(survey))
     # tp, cp, ep, etp x pp (pp=1, or 14 sizes x 7 virtual sizes) x mbs x recompute choices: none, full
     # (2 methods x 8 layer counts), selective with 4 module sets (mlp left out: every layer is MoE)
-    assert survey.total == 15 ** 4 * (1 + 14 * 7) * 4 * (1 + 16 + 4)
+    assert survey.total == 15 ** 4 * (1 + 14 * 7) * 4 * (1 + 16 + 4) * 2  # x2: tp_comm_overlap off/on
     assert survey.total == survey.valid + sum(survey.removed.values())
     assert survey.valid == len(cands) > 0
     assert all(s.reasons(c) == [] for c in cands[:: max(1, len(cands) // 200)])

@@ -95,7 +95,7 @@ def moe_job(*sim: str) -> Job:
     job = make_job("heuristic", n_gpus=8, gbs=32, shape=MOE)
     with initialize_config_module("zenithtune.conf"):
         cfg = compose("config", overrides=["n_gpus=8", "gbs=32", "strategy=heuristic", "mbs_max=4",
-                                           "sim_gpu=a100-40g"])
+                                           "sim_gpu=a100-40g", "~preset.params.tp_comm_overlap"])
     with open_dict(cfg):
         cfg.command = [*job.command, *sim]
     return build_job(settings.load(cfg))

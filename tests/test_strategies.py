@@ -42,8 +42,10 @@ MOE = ["--num-layers=8", "--hidden-size=1024", "--ffn-hidden-size=2816", "--num-
 
 
 def make_job(strategy: str, *, n_gpus: int = 8, gbs: int = 32, shape: list[str] = SHAPE, gpu: str = "a100-40g",
-             extra: tuple[str, ...] = (), sim: tuple[str, ...] = ()) -> Job:
-    overrides = [f"n_gpus={n_gpus}", f"gbs={gbs}", f"strategy={strategy}", "mbs_max=4", f"sim_gpu={gpu}", *extra]
+             extra: tuple[str, ...] = (), sim: tuple[str, ...] = (), switches: bool = False) -> Job:
+    # the strategy tests predate the overlap switches (tests/test_overlap_switches.py); they keep their space
+    off = () if switches else ("~preset.params.tp_comm_overlap",)
+    overrides = [f"n_gpus={n_gpus}", f"gbs={gbs}", f"strategy={strategy}", "mbs_max=4", f"sim_gpu={gpu}", *off, *extra]
     with initialize_config_module("zenithtune.conf"):
         cfg = compose("config", overrides=overrides)
     with open_dict(cfg):

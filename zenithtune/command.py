@@ -279,6 +279,9 @@ class CommandFacts:
     pipeline_layout: str | None = None  # --pipeline-model-parallel-layout, e.g. "Et*3|t*3|t*3|t*3L"
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm (core >= 0.14)
+    moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type (megatron-core's default)
+    moe_shared_expert_overlap: bool = False  # --moe-shared-expert-overlap: EP overlap refuses it
     sizes: tuple[tuple[str, int], ...] = ()  # the command's own tp/pp/cp/ep/etp/mbs: what runs where a preset does not search them
 
     @property
@@ -329,6 +332,7 @@ def facts(argv: list[str]) -> CommandFacts:
         grouped_gemm = grouped_gemm if "moe-grouped-gemm" in opts else True
     modules = opts.get("recompute-modules")
     layout = opts.get("pipeline-model-parallel-layout")
+    dispatcher = (opts.get("moe-token-dispatcher-type") or "").split()
     sizes = tuple((name, value) for name, option in SIZE_OPTIONS.items()
                   if (value := _int(opts, option)) is not None)
     return CommandFacts(
@@ -354,6 +358,9 @@ def facts(argv: list[str]) -> CommandFacts:
         pipeline_layout=layout or None,
         first_stage_layers=_int(opts, "decoder-first-pipeline-num-layers"),
         last_stage_layers=_int(opts, "decoder-last-pipeline-num-layers"),
+        moe_a2a_overlap=_flag(opts, "overlap-moe-expert-parallel-comm"),
+        moe_dispatcher=dispatcher[0] if dispatcher else "allgather",
+        moe_shared_expert_overlap=_flag(opts, "moe-shared-expert-overlap"),
         sizes=sizes,
     )
 

@@ -22,6 +22,8 @@ Each claim, against MEGATRON.md's memory formulas (per GPU, the busiest pipeline
   the EP (EP moves experts, not tokens), but drop-less routing's busiest rank carries more the more
   ranks share the experts: EP must be equal. Full recompute with other settings, interleaving and
   EP changes are never compared (the allocator fragments differently, the working set differs).
+* overlap switches: TP communication overlap (userbuffers) must be equal; EP all-to-all overlap holds
+  one more micro-batch in flight, so a run without it needs no more than the same run with it.
 """
 from __future__ import annotations
 
@@ -44,9 +46,10 @@ def _recomputes_alike(a: Layout, b: Layout) -> bool:
 
 
 def _in_flight(lay: Layout) -> float:
-    """Micro-batches the first stage holds at once, times its share of the layers (1/pp)."""
+    """Micro-batches the first stage holds at once, times its share of the layers (1/pp). EP all-to-all
+    overlap's combined 1F1B schedule holds one more (one extra warm-up forward; two without a pipeline)."""
     m = lay.microbatches or lay.pp
-    return min(lay.pp, m) / lay.pp
+    return min(lay.pp + (1 if lay.moe_a2a_overlap else 0), m) / lay.pp
 
 
 def needs_no_more(a: Layout, b: Layout, *, num_layers: int | None = None, vlm: bool = False,
@@ -57,6 +60,8 @@ def needs_no_more(a: Layout, b: Layout, *, num_layers: int | None = None, vlm: b
         return False
     if (a.pipeline_extra_layers, a.tp_comm_overlap, a.distribute_saved_activations, a.local_impl) != \
             (b.pipeline_extra_layers, b.tp_comm_overlap, b.distribute_saved_activations, b.local_impl):
+        return False
+    if a.moe_a2a_overlap and not b.moe_a2a_overlap:  # its paired micro-batches' buffers, beyond activations
         return False
     if a.tp < b.tp or a.pp < b.pp or a.cp < b.cp or a.expert_tp < b.expert_tp or a.mbs > b.mbs:
         return False

@@ -26,6 +26,11 @@ what the tuner can know before launching, not what the GPU will do. Approximatio
   fp32 copy: 6·s·b·V/tp).
   Context parallelism divides everything by cp; TP without sequence parallelism leaves Korthikanti's
   10·s·b·h unsplit.
+* Communication overlap (the searched switches): EP all-to-all overlap holds one more micro-batch of
+  activations (the combined 1F1B schedule warms up one extra, or pairs two without a pipeline);
+  TP communication overlap adds Transformer Engine's userbuffers (`_USERBUFFERS` full-sequence
+  s·b/cp x h bf16 buffers) to the fixed overhead. DP overlap (--overlap-grad-reduce/-param-gather)
+  costs nothing here: Megatron's gradient and parameter buffers exist either way.
 * A VLM's vision tower is replicated on the first stage (not TP-sharded) and encodes
   `vision_seq_length` patches per sample (unknown: about seq_length, a rough guess); ViT
   checkpointing keeps only each vision layer's input plus one layer's working set.
@@ -65,6 +70,9 @@ DEFAULT_CAPACITY_GB = 80.0  # H100 / A100-80GB when nothing else is known
 _ASSUMED_VISION_PARAMS = 600e6  # a VLM whose vision tower we know nothing about
 _LOGIT_BYTES = 6  # bf16 logits + their fp32 copy for the vocab-parallel cross entropy coexist at the peak
 _REPLICATED_WITHOUT_SP = 10  # Korthikanti: bytes/(s·b·h) that TP does not split without SP
+# --tp-comm-overlap: Transformer Engine's userbuffers, one full-sequence s·b/cp x h bf16 buffer per
+# overlapped GEMM input/output (QKV, projection, FC1, FC2, forward and backward), outside the allocator
+_USERBUFFERS = 10
 
 
 @dataclass(frozen=True)
@@ -310,12 +318,18 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
     v = layout.virtual_stages(sh.L)
     if p > 1 and v > 1:
         in_flight *= 1 + (p - 1) / (p * v)
+    # EP all-to-all overlap: the combined 1F1B schedule warms up one more micro-batch (schedules.py), and
+    # without a pipeline runs one micro-batch's forward beside the previous one's backward
+    extra = 1.0 if layout.moe_a2a_overlap else 0.0
+    in_flight += extra
     opt, fixed = distributed_optimizer, overhead_gb
+    if layout.tp_comm_overlap:
+        fixed += _USERBUFFERS * 2 * act.tokens * sh.h / GIB
     if p == 1:
         emb_all = par.emb * (1 if sh.tied else 2)
         return _stage(layout, par.dense + emb_all + par.vision, par.experts,
-                      act.per_mb + act.working + logits + vision_act, "only",
-                      routed_act=act.per_mb_routed + act.working_routed, logits_act=logits,
+                      (1 + extra) * act.per_mb + act.working + logits + vision_act, "only",
+                      routed_act=(1 + extra) * act.per_mb_routed + act.working_routed, logits_act=logits,
                       distributed_optimizer=opt, overhead_gb=fixed)
     first = _stage(layout, par.dense + par.emb + par.vision, par.experts,
                    in_flight * act.per_mb + act.working + vision_act * min(p, m), "first",
@@ -379,7 +393,7 @@ NEIGHBOUR_DIMS = 2  # ... from a run differing in at most this many of its sizes
 _SPLITS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("ep",), ("etp",))
 _STEPS: tuple[tuple[str, ...], ...] = (("tp", "sequence_parallel"), ("pp",), ("cp",), ("ep",), ("etp",), ("mbs",),
           ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"),
-          ("vpp_size", "layers_per_virtual_stage"))
+          ("vpp_size", "layers_per_virtual_stage"), ("tp_comm_overlap", "moe_a2a_overlap"))
 
 
 def steps(a: Layout, b: Layout) -> list[tuple[str, ...]] | None:

@@ -18,7 +18,7 @@ from zenithtune.validate import module_set
 
 __all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
            "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes",
-           "states_virtual", "states_modules", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
+           "states_virtual", "states_modules", "states_switch", "SWITCH_OPTIONS", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
 
 SequenceParallelMode = Literal["auto", "command"]
 
@@ -31,6 +31,10 @@ VPP_OPTIONS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-
 # ms-swift's name for Megatron's --num-virtual-stages-per-pipeline-rank (MegatronArguments knows only this one
 # and --num_layers_per_virtual_pipeline_stage); inject writes it with underscores in an ms-swift command.
 SWIFT_VPP_OPTION = "--virtual-pipeline-model-parallel-size"
+# Megatron switches (store_true flags) a preset may search: option -> the CommandFacts / Layout field. A
+# searched True writes the bare flag (ms-swift: `--k true`), False leaves it out; a command stating the
+# switch itself keeps it, and the preset does not search it (`states_switch`).
+SWITCH_OPTIONS = {"--tp-comm-overlap": "tp_comm_overlap", "--overlap-moe-expert-parallel-comm": "moe_a2a_overlap"}
 # Options taking several values (argparse nargs): a searched value joins them with "+" (module_set).
 LIST_OPTIONS = ("--recompute-modules",)
 # The pipeline's own split: meaningless without a pipeline, and refused or mis-built by Megatron at pp=1
@@ -53,6 +57,13 @@ def states_modules(flags: CommandFacts) -> bool:
     return flags.recompute_modules is not None
 
 
+def states_switch(flags: CommandFacts, option: str) -> bool:
+    """Does the command already turn on this searched switch (`SWITCH_OPTIONS`)? Then it runs in every
+    trial (adjusted like any flag of the user's) and is not searched."""
+    field = SWITCH_OPTIONS.get(option)
+    return bool(field and getattr(flags, field))
+
+
 def command_sizes(flags: CommandFacts, searched: Collection[str]) -> dict[str, int]:
     """The command's own layout sizes for the parameters a preset does not search: those are what
     runs (`options_for` leaves an option the preset does not name untouched), so the layout the rules
@@ -70,7 +81,9 @@ def layout_fields(flags: CommandFacts, pp: int | None = None) -> dict[str, Any]:
             "recompute_modules": flags.recompute_modules, "moe_grouped_gemm": flags.moe_grouped_gemm,
             "pipeline_layout": flags.pipeline_layout if piped else None,
             "first_stage_layers": flags.first_stage_layers if piped else None,
-            "last_stage_layers": flags.last_stage_layers if piped else None}
+            "last_stage_layers": flags.last_stage_layers if piped else None,
+            "moe_a2a_overlap": flags.moe_a2a_overlap, "moe_dispatcher": flags.moe_dispatcher,
+            "moe_shared_expert_overlap": flags.moe_shared_expert_overlap}
 
 
 def layout_notes(flags: CommandFacts, searched: Collection[str]) -> list[str]:
@@ -230,6 +243,10 @@ def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,
                 option = SWIFT_VPP_OPTION
         if spec.get("when") == "selective_recompute" and states_modules(flags):
             continue  # the command's own --recompute-modules runs; the module sets are not searched
+        if option in SWITCH_OPTIONS:
+            if not states_switch(flags, option):  # the command's own switch runs (adjust may drop it)
+                out[option] = True if v is True else None
+            continue
         if v is not None and "absent" in spec and v == spec["absent"]:
             v = None
         if isinstance(v, bool):

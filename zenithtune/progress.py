@@ -24,16 +24,19 @@ from zenithtune import record
 from zenithtune.job import Setting, SpaceReport
 from zenithtune.loop import Callbacks
 from zenithtune.record import Outcome
+from zenithtune.space import SWITCH_PARAMS
 
 SHORT = {"recompute_granularity": "recompute", "recompute_method": "method",
          "recompute_num_layers": "layers", "recompute_modules": "modules",
-         "vit_gradient_checkpointing": "vit_ckpt"}
+         "vit_gradient_checkpointing": "vit_ckpt", "tp_comm_overlap": "tp_overlap",
+         "moe_a2a_overlap": "a2a_overlap"}
 _RESULT_MAX = 160  # characters of a failure reason on a trial line; trial.log has the rest
 SCREEN_EVERY = 10.0  # seconds without a line while proposals are screened out before a screening line
 
 
 def describe(cand: dict[str, Any]) -> str:
-    return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in cand.items())
+    """A candidate on one line; an overlap switch only when on (off is Megatron's default)."""
+    return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in cand.items() if not (k in SWITCH_PARAMS and v is False))
 
 
 def clip(text: str, limit: int = _RESULT_MAX) -> str:

@@ -17,6 +17,7 @@ from zenithtune.command import CommandFacts
 from zenithtune.errors import UserError
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.options import (
+    SWITCH_OPTIONS,
     Adjusted,
     adjust,
     command_sizes,
@@ -25,6 +26,7 @@ from zenithtune.options import (
     options_for,
     sequence_parallel_note,
     states_modules,
+    states_switch,
     states_virtual,
 )
 from zenithtune.validate import (
@@ -54,6 +56,19 @@ LAYOUT_PARAMS = ("tp", "pp", "cp", "ep", "etp")
 # staged_blackbox and the calibration's per-layout term treat it as a setting: LAYOUT_PARAMS stays the sizes.
 LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "etp")
 RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+# Searched communication-overlap switches (conf/preset/megatron.yaml): on, they trade memory for hidden
+# communication; the strategies keep them fixed along a ladder like ViT checkpointing (`settings`).
+SWITCH_PARAMS = ("tp_comm_overlap", "moe_a2a_overlap")
+
+
+def settings(c: Mapping[str, Any]) -> tuple:
+    """What a candidate sets besides its layout, MBS and recompute: ViT checkpointing and the switches."""
+    return (c.get("vit_gradient_checkpointing"), *(bool(c.get(n)) for n in SWITCH_PARAMS))
+
+
+def switches_at_least(c: Mapping[str, Any], ref: Mapping[str, Any]) -> bool:
+    """Does `c` turn on every switch `ref` does (so it needs at least `ref`'s memory, all else equal)?"""
+    return all(bool(c.get(n)) or not ref.get(n) for n in SWITCH_PARAMS)
 # What each rule reads of a candidate, so the enumeration runs it as soon as that much is fixed:
 # layout dimensions by name, "mbs" (the micro-batch size and the virtual pipeline size, which are
 # enumerated together), and "rest" (the recompute/ViT parameters); expert_grid waits for cp
@@ -66,7 +81,8 @@ RULE_NEEDS: dict[str, frozenset[str]] = {
     "cp_seq": frozenset(("cp",)), "gbs": _LAYOUT | {"mbs"}, "pp_layers": frozenset(("pp",)),
     "virtual_pipeline": _LAYOUT | {"mbs"}, "recompute": frozenset(("pp", "rest")),
     "moe_sequence_parallel": frozenset(("tp",)), "local_impl_sequence_parallel": frozenset(("tp",)),
-    "tp_comm_overlap": frozenset(("tp",)), "distribute_saved_activations": frozenset(("tp", "rest")),
+    "tp_comm_overlap": frozenset(("tp", "rest")), "moe_a2a_overlap": _LAYOUT | {"ep", "mbs", "rest"},
+    "distribute_saved_activations": frozenset(("tp", "rest")),
     "moe_etp_bias": frozenset(("tp", "etp")), "etp_le_tp": frozenset(("tp", "etp")),
     "etp_dense": frozenset(("tp", "etp")), "cp_short_seq": frozenset(("cp",)),
     "recompute_chunk": frozenset(("pp", "rest")), "vlm_full_uniform_only": frozenset(("rest",)),
@@ -183,6 +199,11 @@ class Space:
         self.idle_modules: dict[str, str | None] = {}
         self.idle_why: dict[str, str] = {}
         params = self._module_sets(params, ctx)
+        # searched Megatron switches (tp_comm_overlap, moe_a2a_overlap): param name -> Layout field, and
+        # why a preset's switch is not searched for this command (said in the report)
+        self.switch_why: dict[str, str] = {}
+        params = [p for p in params if p.option not in SWITCH_OPTIONS or self._switch_searched(p, ctx)]
+        self.switches = {p.name: SWITCH_OPTIONS[p.option] for p in params if p.option in SWITCH_OPTIONS}
         self.params = {p.name: p for p in params}
         self.vp_name = next((p.name for p in params if p.when == "pipeline"), None)
         self.modules_name = next((p.name for p in params if p.when == "selective_recompute"), None)
@@ -226,6 +247,29 @@ class Space:
             if kept:
                 out.append(replace(p, choices=tuple(kept)))
         return out
+
+    def _switch_searched(self, p: Param, ctx: Context) -> bool:
+        """Whether a switch of the preset is searched for this command; if not, `switch_why` says why."""
+        flags, why = ctx.flags, None
+        if states_switch(flags, p.option):
+            why = f"{p.option} is the command's: it runs where Megatron allows it, not searched"
+        elif p.option == "--tp-comm-overlap" and flags.local_impl:
+            why = ("not searched: --transformer-impl local has no sequence parallelism, which TP "
+                   "communication overlap needs (Transformer Engine's userbuffers)")
+        elif p.option == "--overlap-moe-expert-parallel-comm":
+            if not ctx.model.is_moe:
+                return False  # `when: moe` would leave it out anyway; nothing to say
+            if flags.trainer != "megatron":
+                why = "not searched for ms-swift (its MegatronArguments do not list it)"
+            elif flags.moe_dispatcher not in ("alltoall", "flex"):
+                why = (f"not searched: Megatron overlaps only the alltoall/flex dispatchers' all-to-alls "
+                       f"(the command's --moe-token-dispatcher-type is {flags.moe_dispatcher}; add "
+                       f"--moe-token-dispatcher-type alltoall to search it)")
+            elif flags.moe_shared_expert_overlap:
+                why = "not searched: Megatron refuses it with the command's --moe-shared-expert-overlap"
+        if why:
+            self.switch_why[p.name] = why
+        return why is None
 
     @classmethod
     def from_preset(cls, preset: Mapping[str, Any], ctx: Context) -> Space:
@@ -277,6 +321,8 @@ class Space:
         if fill and mods is not None and gran == "selective" and mods not in cand:
             # ... and one from before module sets existed runs Megatron's default set
             cand = {**cand, mods: self._default_modules()}
+        if fill:  # a candidate from before a switch was searched runs without it
+            cand = {**{name: False for name in self.switches if name not in cand}, **cand}
         depends = {vp: piped, mods: gran == "selective"}
         return {k: cand[k] for k in self.params
                 if k in cand and ok.get(k, depends.get(k, gran == "full"))}
@@ -327,6 +373,9 @@ class Space:
         fields = layout_fields(flags, pp)
         if self.modules_name and self.modules_name in norm:
             fields["recompute_modules"] = module_set(norm[self.modules_name])
+        for name, field_name in self.switches.items():
+            if norm.get(name) is True:
+                fields[field_name] = True
         return Layout(
             n_gpus=self.ctx.n_gpus, gbs=self.ctx.gbs,
             tp=int(c["tp"]), pp=pp, cp=int(c["cp"]),
@@ -342,7 +391,8 @@ class Space:
             overlap_p2p=flags.overlap_p2p,
             pipeline_extra_layers=flags.pipeline_extra_layers,
             local_impl=flags.local_impl,
-            tp_comm_overlap=flags.tp_comm_overlap and "--tp-comm-overlap" not in adj.drop,
+            tp_comm_overlap=fields.pop("tp_comm_overlap", False) or (
+                flags.tp_comm_overlap and "--tp-comm-overlap" not in adj.drop),
             distribute_saved_activations=(flags.distribute_saved_activations
                                           and "--distribute-saved-activations" not in adj.drop),
             **fields,
@@ -395,6 +445,15 @@ class Space:
                        f"{self.vp_name}=1: not interleaved); switch it off with ~preset.params.{self.vp_name}")
         if flags.tp_comm_overlap:
             out.append("--tp-comm-overlap is dropped where sequence parallelism is off (tp=1)")
+        for name in self.switches:
+            option = self.params[name].option
+            where = ("where sequence parallelism runs (tp > 1); it costs Transformer Engine's userbuffers"
+                     if option == "--tp-comm-overlap" else
+                     "at ep > 1 without full recompute, with a virtual pipeline at pp > 1; it holds one more "
+                     "micro-batch's activations")
+            out.append(f"{name} searched on/off ({option}) {where}; switch it off with ~preset.params.{name}")
+        for name, why in self.switch_why.items():
+            out.append(f"{name}: {why}")
         if flags.distribute_saved_activations:
             out.append("--distribute-saved-activations is kept only with tp > 1, full recompute and no "
                        "sequence parallelism (Megatron refuses it otherwise)")

@@ -64,6 +64,10 @@ class Layout:
     pipeline_layout: str | None = field(default=None, repr=False)  # --pipeline-model-parallel-layout
     first_stage_layers: int | None = field(default=None, repr=False)  # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = field(default=None, repr=False)  # --decoder-last-pipeline-num-layers
+    # expert-parallel all-to-all overlap (--overlap-moe-expert-parallel-comm) and what it needs of the command
+    moe_a2a_overlap: bool = field(default=False, repr=False)
+    moe_dispatcher: str = field(default="allgather", repr=False)  # --moe-token-dispatcher-type (core's default)
+    moe_shared_expert_overlap: bool = field(default=False, repr=False)  # --moe-shared-expert-overlap
 
     @property
     def selective_modules(self) -> tuple[str, ...]:
@@ -587,6 +591,34 @@ def tp_comm_overlap_needs_sp(lay: Layout, model: ModelInfo) -> str | None:
     return None
 
 
+def moe_a2a_overlap(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__, under
+    `if self.overlap_moe_expert_parallel_comm` (core 0.19): "only supported with expert model
+    parallelism"; "supported with alltoall/flex token dispatcher"; "disable full recomputation"
+    (and any recompute method / layer count, which only full recompute sets); "disable moe in
+    recompute_modules"; "disable moe_shared_expert_overlap"; and at pp > 1 "virtual_pipeline_model_
+    parallel_size must be specified" (the combined 1F1B schedule pairs one micro-batch's forward with
+    another's backward inside the interleaved schedule)."""
+    if not lay.moe_a2a_overlap:
+        return None
+    what = "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm)"
+    if not model.is_moe or lay.ep <= 1:
+        return f"{what} is only supported with expert model parallelism (ep={lay.ep})"
+    if lay.moe_dispatcher not in ("alltoall", "flex"):
+        return (f"{what} is supported with alltoall/flex token dispatcher (--moe-token-dispatcher-type "
+                f"{lay.moe_dispatcher}): add --moe-token-dispatcher-type alltoall to search it")
+    if lay.recompute_granularity == "full":
+        return f"disable full recomputation when enabling {what}"
+    if "moe" in lay.selective_modules:
+        return f"disable moe in recompute_modules when enabling {what}"
+    if lay.moe_shared_expert_overlap:
+        return f"disable moe_shared_expert_overlap when enabling {what}"
+    if lay.pp > 1 and lay.virtual_stages(model.num_layers) <= 1:
+        return (f"if enabling EP A2A overlap ({what}), virtual_pipeline_model_parallel_size must be specified "
+                f"when pipeline_model_parallel_size > 1 (pp={lay.pp})")
+    return None
+
+
 def distribute_saved_activations(lay: Layout, model: ModelInfo) -> str | None:
     """megatron/training/arguments.py validate_args: --distribute-saved-activations needs tp > 1, full
     recompute and a recompute method; transformer_config.py TransformerConfig.__post_init__: "must be
@@ -691,6 +723,8 @@ RULES: tuple[Rule, ...] = (
     Rule("local_impl_context_parallel", "megatron", local_impl_context_parallel,
          "the local implementation's attention has no CP ring"),
     Rule("tp_comm_overlap", "megatron", tp_comm_overlap_needs_sp, "TP comm overlap works on SP's collectives"),
+    Rule("moe_a2a_overlap", "megatron", moe_a2a_overlap,
+         "EP all-to-all overlap pairs micro-batches: EP, an all-to-all dispatcher, no full recompute, VPP at pp > 1"),
     Rule("distribute_saved_activations", "megatron", distribute_saved_activations,
          "distributing the saved layer input needs TP, full recompute and no SP"),
     Rule("moe_etp_bias", "megatron", moe_etp_bias, "expert TP cannot shard biases"),

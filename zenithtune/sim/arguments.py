@@ -127,6 +127,7 @@ _IGNORED_FLAGS = (
     "--no-async-tensor-model-parallel-allreduce", "--empty-unused-memory-level", "--no-save-optim",
     "--no-save-rng", "--use-checkpoint-args", "--exit-on-missing-checkpoint", "--moe-shared-expert-overlap",
     "--overlap-param-gather-with-optimizer-step", "--check-for-nan-in-loss-and-grad",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",  # read from the layout (command.facts)
 )
 
 

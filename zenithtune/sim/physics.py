@@ -242,6 +242,8 @@ def stage_memory(cfg: SimConfig, stage: int) -> StageMemory:
     else:
         in_flight = float(min(x.m, x.p - stage))
     in_flight = max(in_flight, 1.0)
+    if lay.moe_a2a_overlap:  # the combined 1F1B schedule warms up one more micro-batch (schedules.py)
+        in_flight = min(float(x.m), in_flight + 1.0) if x.m > 1 else in_flight
     ls = x.layers_per_stage
     moe_frac = x.moe_per_stage / ls if ls else 0.0
 
@@ -344,4 +346,9 @@ def memory(cfg: SimConfig) -> MemoryReport:
     worst = max(stages, key=lambda st: st.peak_allocated)
     reserved = worst.peak_allocated * frag + 0.25 * GIB
     non_torch = (CUDA_CONTEXT_GIB + NCCL_GIB_PER_GROUP * nccl_groups(cfg) + cfg.flavour.overhead_gib) * GIB
+    if cfg.tp_comm_overlap and x.t > 1:
+        # Transformer Engine's userbuffers (registered outside the caching allocator): the gathered
+        # sequence at hidden width for QKV, projection and FC2 forward and backward, FC1's at ffn/t
+        width = (x.F or x.Fm) * (x.gated - 1) / x.t
+        non_torch += 2.0 * x.b * x.s / x.c * (7 * x.h + 2 * width)
     return MemoryReport(stages, worst, reserved, non_torch, cfg.gpu.capacity_gib * GIB)

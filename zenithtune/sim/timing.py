@@ -34,6 +34,9 @@ LATENCY_NETWORK_S = 35e-6  # one collective across nodes
 TP_EXPOSED = (1.0, 0.5)  # (forward, backward) fraction of TP traffic on the critical path
 TP_EXPOSED_OVERLAP = (0.4, 0.3)  # the same with --tp-comm-overlap
 EP_EXPOSED = 0.85  # MoE all-to-all is mostly on the critical path
+A2A_OVERLAP_LEFT = 0.15  # --overlap-moe-expert-parallel-comm: share of the all-to-alls never hidden
+A2A_OVERLAP_HIDE = 0.9  # ... behind at most this share of the paired micro-batch's GEMMs of the layer
+A2A_OVERLAP_TAX = 1.03  # ... whose kernels share the SMs with the communication kernels
 P2P_EXPOSED = 0.5  # pipeline send/recv partly overlaps the next micro-batch
 DP_MIN_EXPOSED = 0.12  # the last gradient bucket and the final sync are never hidden
 OPTIMIZER_FIXED_S = 4e-3  # grad-norm, clipping, loss-scale bookkeeping
@@ -173,6 +176,12 @@ def layer_time(cfg: SimConfig, x: Shape, clk: _Clock, moe: bool) -> LayerTime:
         if x.e > 1:
             nbytes = (tok / seq_split) * x.k * x.h * 2.0 * (x.e - 1) / x.e
             ep = 2 * _all_to_all(cfg, clk, x, nbytes) * EP_EXPOSED * cfg.perturb.ep_comm  # dispatch + combine
+            if cfg.layout.moe_a2a_overlap:
+                # combined 1F1B: one micro-batch's all-to-alls run beside another's compute; the unpaired
+                # first forward and last backward of the iteration keep theirs
+                paired = ep - min(ep * (1 - A2A_OVERLAP_LEFT), A2A_OVERLAP_HIDE * gemm)
+                ep = paired + (ep - paired) / max(1, x.m)
+                gemm *= A2A_OVERLAP_TAX
         # moe re-runs the whole layer's MoE part, its token dispatch included
         modules = (("layernorm", norms), ("moe_act", act), ("shared_experts", shared),
                    ("moe", experts + router + shared + moe_elem * tok / clk.hbm + ep))

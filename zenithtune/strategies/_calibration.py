@@ -57,10 +57,13 @@ def features(c: dict[str, Any], *, gpus_per_node: int, n_gpus: int, num_layers: 
             math.log2(vp),
             *(float(mode == m) for m in _MODES), block,
             float(vit is True), float(vit is False),
+            # the overlap switches: what the prior believes they hide may be off for this trainer
+            float(c.get("tp_comm_overlap") is True), float(c.get("moe_a2a_overlap") is True),
             float(tp * cp > gpus_per_node), float(ep * etp > gpus_per_node), float(n_gpus // pp >= gpus_per_node)]
 
 
-_SD = np.array([SIZE_SD] * 7 + [MODE_SD] * len(_MODES) + [2 * SIZE_SD] + [MODE_SD] * 2 + [MODE_SD] * 3)
+_SD = np.array([SIZE_SD] * 7 + [MODE_SD] * len(_MODES) + [2 * SIZE_SD] + [MODE_SD] * 2 + [MODE_SD] * 2
+               + [MODE_SD] * 3)
 
 
 class Residual:

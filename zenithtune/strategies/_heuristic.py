@@ -59,7 +59,7 @@ import numpy as np
 
 from zenithtune.record import central
 from zenithtune.run import FailureKind
-from zenithtune.space import LAYOUT_KEYS
+from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
 from zenithtune.strategies._calibration import Residual
 from zenithtune.strategies._speed import LEVEL_SD, SpeedModel
@@ -191,7 +191,7 @@ class HeuristicStrategy(Strategy):
         best: dict[tuple, tuple[float, int]] = {}
         for i, c in enumerate(pool):
             if c.get("recompute_method") == "uniform":
-                k = (_lay(c), c.get("mbs"), c.get("vit_gradient_checkpointing"))
+                k = (_lay(c), c.get("mbs"), settings(c))
                 gb = self.judge.assess(c).predicted_gb
                 gb = gb if gb is not None else float(c.get("recompute_num_layers") or 1)
                 if k not in best or gb < best[k][0]:
@@ -254,7 +254,8 @@ class HeuristicStrategy(Strategy):
                 return f"layout failed in trial {o.trial_number} ({o.kind})"
             if o.kind == FailureKind.OOM and _rec(oc) == rec and mbs >= oc.get("mbs", 1) and \
                     c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
-                    c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing"):
+                    c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing") and \
+                    switches_at_least(c, oc):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
         bad = self.judge.assess(c).oom_dominated
         if bad is not None:  # the study loop would not launch it either
@@ -507,8 +508,8 @@ class HeuristicStrategy(Strategy):
 
     @staticmethod
     def _ladder(c: dict) -> tuple:
-        """What a micro-batch ladder keeps fixed: layout, recompute, ViT checkpointing."""
-        return (_lay(c), _rec(c), c.get("recompute_num_layers"), c.get("vit_gradient_checkpointing"))
+        """What a micro-batch ladder keeps fixed: layout, recompute, ViT checkpointing, the overlap switches."""
+        return (_lay(c), _rec(c), c.get("recompute_num_layers"), settings(c))
 
     def _agreement(self, reps: dict[tuple, Outcome]) -> float:
         """How far the measurements agree with the prior's ranking: Kendall's tau over the pairs of
@@ -598,6 +599,9 @@ class HeuristicStrategy(Strategy):
             parts.append(f"recompute {_rec_desc(best)}->{_rec_desc(c)}")
         if c.get("vit_gradient_checkpointing") != best.get("vit_gradient_checkpointing"):
             parts.append(f"vit checkpointing {c.get('vit_gradient_checkpointing')}")
+        for n in SWITCH_PARAMS:
+            if bool(c.get(n)) != bool(best.get(n)):
+                parts.append(f"{n} {'on' if c.get(n) else 'off'}")
         return "best layout, " + ", ".join(parts)
 
     def _layout_note(self, c: dict) -> str:

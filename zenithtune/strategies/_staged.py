@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from zenithtune.run import FailureKind
-from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS
+from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS, SWITCH_PARAMS, settings
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 from zenithtune.validate import candidate_modules
 
@@ -75,6 +75,9 @@ SELECTIVE_WORK = 0.02
 # selective recompute of the dense MLP or the MoE part re-runs most of a layer's GEMMs (about 2/3 of them)
 SELECTIVE_GEMM_WORK = 0.2
 VIT_CHECKPOINT_WORK = 0.01
+# An overlap switch (SWITCH_PARAMS) hides communication: counted as this much less work, so a promotion
+# tries the best layout with it on (stage 1 runs it off: it costs memory)
+OVERLAP_WORK = 0.03
 # A larger MBS that needs more recompute is tried next to the best only if it adds at most this much work.
 NEIGHBOUR_EXTRA_WORK = 0.1
 
@@ -163,6 +166,7 @@ class StagedBlackboxStrategy(Strategy):
         base = {**layout, "mbs": 1}
         if "vit_gradient_checkpointing" in self.space.params:
             base["vit_gradient_checkpointing"] = True
+        base.update({n: False for n in SWITCH_PARAMS if n in self.space.params})  # overlap costs memory
         cap = self.judge.capacity_gb
         for rec in sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r})):
             cand = self.space.normalize({**base, **rec})
@@ -181,6 +185,7 @@ class StagedBlackboxStrategy(Strategy):
     def _work(self, c: dict) -> float:
         """A step's work relative to one without recompute (see FULL_RECOMPUTE_WORK)."""
         extra = VIT_CHECKPOINT_WORK if c.get("vit_gradient_checkpointing") else 0.0
+        extra -= OVERLAP_WORK * sum(bool(c.get(n)) for n in SWITCH_PARAMS)  # hidden communication
         g = c.get("recompute_granularity", "none")
         if g == "selective":
             mods = candidate_modules(c)
@@ -212,7 +217,7 @@ class StagedBlackboxStrategy(Strategy):
         """The lightest untried setting of `best`'s layout at its MBS that the screen admits and is
         lighter than `best`'s, and the lightest one lighter still that only the screen hides."""
         b = best.candidate
-        rest = {k: v for k, v in b.items() if k not in (*RECOMPUTE_PARAMS, "vit_gradient_checkpointing")}
+        rest = {k: v for k, v in b.items() if k not in (*RECOMPUTE_PARAMS, "vit_gradient_checkpointing", *SWITCH_PARAMS)}
         same = [c for k, c in self._by_layout.get(_layout(self.space, b), {}).items()
                 if k not in tried and all(c.get(n) == v for n, v in rest.items())]
         hidden = None
@@ -283,7 +288,7 @@ class StagedBlackboxStrategy(Strategy):
             elif m > mbs:
                 # the larger MBS needs more recompute: the lightest that fits, if it costs little work
                 ups = [c for k, c in cands.items() if k not in tried and c.get("mbs") == m
-                       and c.get("vit_gradient_checkpointing") == b.get("vit_gradient_checkpointing")
+                       and settings(c) == settings(b)
                        and self._work(c) <= self._work(b) + NEIGHBOUR_EXTRA_WORK]
                 pick = next((c for c in sorted(ups, key=self._work) if not self._screened(c)), None)
             else:

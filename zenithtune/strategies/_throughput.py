@@ -14,6 +14,9 @@ parallel dimension puts on the critical path, inside a pipeline with its bubble:
   multiplies the sends by v (each as large as before: one activation per chunk boundary);
 * DP: gradient reduce-scatter and parameter all-gather, hidden behind the last micro-batch's
   backward and the first one's forward as far as they are long enough;
+* overlap switches: --tp-comm-overlap hides most of TP's collectives behind the neighbouring GEMMs
+  (TE userbuffers); --overlap-moe-expert-parallel-comm runs one micro-batch's all-to-alls beside another
+  micro-batch's compute, hiding them as far as that compute is long;
 * recompute: a recomputed layer runs its forward (and its TP forward traffic) twice;
 * a VLM's vision tower runs unsharded on the first pipeline stage.
 
@@ -43,6 +46,9 @@ ATTENTION_EFF = 0.65  # flash attention runs below GEMM efficiency
 GROUPED_GEMM_EFF = 0.9  # MoE grouped GEMMs run below a plain GEMM of the same shape
 LATENCY_S = 15e-6  # per collective
 TP_EXPOSED = 0.75  # share of TP traffic on the critical path (forward all of it, backward half)
+TP_OVERLAP_EXPOSED = 0.35  # ... with --tp-comm-overlap
+A2A_OVERLAP_LEFT = 0.2  # --overlap-moe-expert-parallel-comm: share of the all-to-alls never hidden
+A2A_OVERLAP_HIDE = 0.8  # ... behind this share of the other micro-batch's layer compute
 EP_EXPOSED = 0.9
 A2A_EFF = 0.6  # all-to-all reaches less of the link than a ring
 DP_MIN_EXPOSED = 0.12  # the last gradient bucket is never hidden
@@ -169,7 +175,9 @@ def pieces(cand: Mapping[str, Any], *, model: ModelInfo, n_gpus: int, gbs: int,
         logits_gemm=tok * 6 * x.h * x.V / t / (PEAK_FLOPS * _eff(tok, x.V / t)),
         logits_comm=2 * _ring(4 * tok * x.h, t, bw(t)),
         p2p=0.0 if p == 1 else v * 2 * (2 * tok * x.h / t / bw(n_gpus // p + 1)) * 0.5,
-        m=float(m), bubble=float(p - 1) / v, **_dp_sync(x, n_gpus, t, p, c, e, et, d_, gpus_per_node))
+        m=float(m), bubble=float(p - 1) / v, **_dp_sync(x, n_gpus, t, p, c, e, et, d_, gpus_per_node),
+        tp_overlap=float(cand.get("tp_comm_overlap") is True),
+        a2a_overlap=float(cand.get("moe_a2a_overlap") is True and e > 1))
 
 
 def _selective(cand: Mapping[str, Any]) -> dict[str, float]:
@@ -193,7 +201,7 @@ def assemble(pc: Mapping[str, Any], mult: Mapping[str, Any] | None = None) -> An
     mg, ma = mu["gemm"], mu["attention"]
     scores = pc["scores"] * ma
     attn_lin = pc["attn_lin"] * mg
-    tp_half = pc["tp_half"] * mu["tp"]
+    tp_half = pc["tp_half"] * mu["tp"] * (1 + pc["tp_overlap"] * (TP_OVERLAP_EXPOSED / TP_EXPOSED - 1))
     ring = pc["cp_ring"] * mu["cp"]
     cp_comm = _max(ring - 0.8 * scores, 0.1 * ring)  # hidden behind attention as far as it is long
     ep_comm = pc["ep_comm"] * mu["ep"]
@@ -201,8 +209,13 @@ def assemble(pc: Mapping[str, Any], mult: Mapping[str, Any] | None = None) -> An
 
     def layer(moe: bool) -> Any:
         compute = attn_lin + scores + (pc["moe_mlp"] if moe else pc["dense_mlp"]) * mg
-        # a MoE layer's MLP trades TP traffic for the token dispatcher's (EP all-to-all, ETP gathers)
-        comm = tp_half + cp_comm + (ep_comm if moe else tp_half)
+        # a MoE layer's MLP trades TP traffic for the token dispatcher's (EP all-to-all, ETP gathers);
+        # overlapped, the all-to-alls hide behind the paired micro-batch's compute as far as it is long
+        ep = ep_comm
+        if moe:
+            hidden = _max(A2A_OVERLAP_LEFT * ep_comm, ep_comm - A2A_OVERLAP_HIDE * compute)
+            ep = ep_comm + pc["a2a_overlap"] * (hidden - ep_comm)
+        comm = tp_half + cp_comm + (ep if moe else tp_half)
         # a recomputed layer runs its forward (and its forward traffic) twice; selective re-runs its modules:
         # the attention core, the dense MLP (with its TP gather) or the MoE part (with its token dispatch)
         extra = frac * (FULL_EXTRA * compute + comm / 2) + pc["sel_attn"] * (SELECTIVE_EXTRA * scores)
