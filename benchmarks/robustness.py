@@ -58,7 +58,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from search import _LLAMA3_8B, _LLAMA3_70B, _MIXTRAL_8X7B, ROOT, Scenario, StudyResult, cand_str, make_job, run_study, sim_argv  # noqa: E402,I001
+from search import (  # noqa: E402,I001
+    _LLAMA3_8B, _LLAMA3_70B, _MIXTRAL_8X7B, _QWEN3_30B_A3B, ROOT, Scenario, StudyResult, cand_str, make_job, run_study,
+    sim_argv)
 
 from zenithtune.sim import flavours  # noqa: E402
 from zenithtune.sim.arguments import SimConfig  # noqa: E402
@@ -138,6 +140,10 @@ CASES = (
                   _MIXTRAL_8X7B, 24, 96, 4096)),
     Case(Scenario("moe-64e-top8-16xh100", "MoE 64 experts top-8 (16 L, h 2048, expert ffn 1024), s=4k, 16 H100, "
                   "gbs 128", _MOE_64E, 16, 128, 4096)),
+    # the overlap switches decide it on the plain simulator (issue 23): TP2 PP2 VP3 EP8 with EP all-to-all overlap
+    Case(Scenario("qwen3-30b-a3b-16xh100-a2a", "Qwen3-30B-A3B (128 experts top-8), s=4k, 16 H100, gbs 128, alltoall "
+                  "dispatcher (EP overlap searched)", _QWEN3_30B_A3B + " --moe-grouped-gemm --moe-token-dispatcher-type=alltoall",
+                  16, 128, 4096)),
     Case(Scenario("moe-64e-top8-64xh100", "MoE 64 experts top-8 (28 L, h 2048, expert ffn 1408), s=4k, 64 H100, "
                   "gbs 256", _MOE_64E_WIDE, 64, 256, 4096)),
 )
