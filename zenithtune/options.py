@@ -18,9 +18,11 @@ from zenithtune.validate import module_set
 
 __all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
            "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes",
-           "states_virtual", "states_modules", "states_switch", "SWITCH_OPTIONS", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
+           "states_virtual", "states_modules", "states_switch", "dp_overlap_options", "dp_overlap_note",
+           "DP_OVERLAP_MODES", "SWITCH_OPTIONS", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
 
 SequenceParallelMode = Literal["auto", "command"]
+DP_OVERLAP_MODES = ("auto", "command")
 
 # Options whose ms-swift default differs from Megatron's, for the options zenithtune injects (ms-swift
 # MegatronArguments, swift/megatron/arguments/megatron_args.py; the table is in docs/fidelity.md).
@@ -159,9 +161,10 @@ class Adjusted:
     recompute_granularity: str | None  # what really runs ("none" -> None; --recompute-activations -> selective)
     drop: tuple[str, ...]  # the user's options removed for this candidate
     explicit: tuple[tuple[str, str], ...]  # options written out because ms-swift's default differs
+    add: tuple[str, ...] = ()  # switches turned on for every candidate (preset dp_overlap=auto)
 
     def options(self) -> dict[str, Any]:
-        return {**{o: None for o in self.drop}, **dict(self.explicit)}
+        return {**{o: None for o in self.drop}, **dict(self.explicit), **{o: True for o in self.add}}
 
 
 def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandFacts,
@@ -210,12 +213,35 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
     if flags.distribute_saved_activations and not (tp > 1 and granularity == "full" and not sp):
         drop.append("--distribute-saved-activations")
     explicit: list[tuple[str, str]] = []
+    add = dp_overlap_options(flags, str(preset.get("dp_overlap", "command")))
     if flags.trainer == "swift":
         if "recompute_granularity" in spec and granularity is None:
             explicit.append(("--recompute-granularity", "none"))
         if (moe or "ep" in stated) and params.get("etp") is None and "etp" not in stated:
             explicit.append(("--expert-tensor-parallel-size", str(tp)))  # Megatron's default: etp = tp
-    return Adjusted(sp, granularity, tuple(drop), tuple(explicit))
+    return Adjusted(sp, granularity, tuple(drop), tuple(explicit), add)
+
+
+def dp_overlap_options(flags: CommandFacts, mode: str) -> tuple[str, ...]:
+    """The data-parallel overlap switches preset ``dp_overlap: auto`` adds to every trial: --overlap-grad-reduce,
+    and --overlap-param-gather where the command uses the distributed optimizer (Megatron refuses it without:
+    `validate.command_errors`). Harmless without data parallelism (a group of one reduces nothing); the
+    command's own flags are left as they are. ``command`` adds nothing."""
+    if mode != "auto":
+        return ()
+    out = [] if flags.overlap_grad_reduce else ["--overlap-grad-reduce"]
+    if flags.distributed_optimizer and not flags.overlap_param_gather:
+        out.append("--overlap-param-gather")
+    return tuple(out)
+
+
+def dp_overlap_note(flags: CommandFacts, mode: str) -> str | None:
+    """One line for the space report: which DP overlap switches every trial gets."""
+    added = dp_overlap_options(flags, mode)
+    if not added:
+        return None
+    return (f"data-parallel overlap: {' and '.join(added)} added to every trial (preset dp_overlap=auto: it hides "
+            f"the gradient and parameter syncs at no memory cost; dp_overlap=command keeps the command's choice)")
 
 
 def options_for(preset: Mapping[str, Any], params: Mapping[str, Any], gbs: int,

@@ -17,10 +17,12 @@ from zenithtune.command import CommandFacts
 from zenithtune.errors import UserError
 from zenithtune.modelinfo import ModelInfo
 from zenithtune.options import (
+    DP_OVERLAP_MODES,
     SWITCH_OPTIONS,
     Adjusted,
     adjust,
     command_sizes,
+    dp_overlap_note,
     layout_fields,
     layout_notes,
     options_for,
@@ -282,6 +284,9 @@ class Space:
         mode = preset.get("sequence_parallel", "auto")
         if mode not in ("auto", "command"):
             raise UserError(f"preset.sequence_parallel={mode!r} is not one of auto|command")
+        overlap = preset.get("dp_overlap", "command")
+        if overlap not in DP_OVERLAP_MODES:
+            raise UserError(f"preset.dp_overlap={overlap!r} is not one of {'|'.join(DP_OVERLAP_MODES)}")
         return cls(params, preset, ctx)
 
     # --- applicability ---------------------------------------------------------------------------
@@ -413,6 +418,9 @@ class Space:
         flags, moe = self.ctx.flags, self.ctx.model.is_moe
         mode = str(self.preset.get("sequence_parallel", "auto"))
         out = [sequence_parallel_note(flags, mode, moe)]  # type: ignore[arg-type]
+        dp_note = dp_overlap_note(flags, str(self.preset.get("dp_overlap", "command")))
+        if dp_note:
+            out.append(dp_note)
         if flags.recompute_activations and "recompute_granularity" in self.params:
             out.append("--recompute-activations (Megatron's selective shorthand) is dropped: the "
                        "recompute_granularity parameter decides recompute, so 'none' really runs none")
