@@ -65,7 +65,7 @@ def test_gpt3_175b_on_128_gpus() -> None:
         argv, {"--micro-batch-size 1": "--micro-batch-size 2", "--pipeline-model-parallel-size 16":
                "--pipeline-model-parallel-size 8"},
         "--context-parallel-size 1 --recompute-granularity full --recompute-method uniform "
-        "--recompute-num-layers 2 --sequence-parallel --overlap-grad-reduce")  # preset dp_overlap=auto
+        "--recompute-num-layers 2 --sequence-parallel")
     # 96 layers split over pp=16 is what the script runs; pp=64 is not a divisor of 96
     assert space.reasons({**cand, "pp": 16}) == []
     assert [r for r, _ in space.reasons({"tp": 1, "pp": 64, "cp": 1, "mbs": 1})] == ["pp_layers"]
@@ -94,8 +94,8 @@ def test_swift_qwen3_32b_none_is_written_out() -> None:
     assert run(space, argv, cand) == edited(
         argv, {"--tensor_model_parallel_size 8": "--tensor_model_parallel_size 4",
                "--recompute_granularity full": "--recompute_granularity none"},
-        "--pipeline_model_parallel_size 2 --context_parallel_size 1 --overlap_grad_reduce true "
-        "--overlap_param_gather true", ("--recompute_method uniform", "--recompute_num_layers 1"))
+        "--pipeline_model_parallel_size 2 --context_parallel_size 1",
+        ("--recompute_method uniform", "--recompute_num_layers 1"))
 
 
 def test_swift_moe_lora() -> None:
@@ -107,7 +107,7 @@ def test_swift_moe_lora() -> None:
                "--micro_batch_size 8": "--micro_batch_size 4",
                "--recompute_granularity full": "--recompute_granularity selective"},
         "--tensor_model_parallel_size 2 --pipeline_model_parallel_size 1 --context_parallel_size 1 "
-        "--expert_tensor_parallel_size 1 --overlap_grad_reduce true --overlap_param_gather true",
+        "--expert_tensor_parallel_size 1",
         ("--recompute_method uniform", "--recompute_num_layers 1"))
     # MoE with tp > 1 keeps sequence parallelism even if the command said false
     no_sp = [("false" if tok == "true" and prev == "--sequence_parallel" else tok) for prev, tok in zip([""] + argv, argv)]
@@ -136,7 +136,7 @@ def test_the_launcher_modules_options_are_left_alone() -> None:
     out = run(study(argv, 8, 64), argv, {"tp": 2, "pp": 1, "cp": 1, "mbs": 1, "recompute_granularity": "none"})
     assert out[:6] == argv[:6]  # python -m torch.distributed.run --nproc-per-node 8 pretrain_gpt.py
     assert out[6:] == argv[6:] + shlex.split("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 "
-                                             "--context-parallel-size 1 --sequence-parallel --overlap-grad-reduce")
+                                             "--context-parallel-size 1 --sequence-parallel")
 
 
 @pytest.mark.parametrize("granularity", ["none", "selective", "full"])

@@ -367,3 +367,15 @@ def test_interleaving_holds_1_plus_p_minus_1_over_p_v_times_the_activations():
     assert plain < v5 < v2
     assert v5 / plain == pytest.approx(1 + 7 / 40, rel=0.05)
     assert v2 / plain == pytest.approx(1 + 7 / 16, rel=0.05)
+
+
+def test_no_bound_reaches_across_full_recompute():
+    # a stand-in trainer (benchmarks/robustness.py) ran out of memory at tp4 pp4 mbs8 full/block/2 where a bound
+    # from its selective run said it fit: the allocator's law under full recompute is the trainer's own
+    from zenithtune.memory import steps
+    sel = Layout(n_gpus=16, gbs=128, tp=4, pp=4, mbs=8, sequence_parallel=True, recompute_granularity="selective")
+    full = Layout(**{**sel.__dict__, "recompute_granularity": "full", "recompute_method": "block",
+                     "recompute_num_layers": 2})
+    other_full = Layout(**{**full.__dict__, "recompute_num_layers": 1})
+    assert steps(full, sel) is None and steps(sel, full) is None
+    assert steps(other_full, full) is not None  # within full recompute a bound still reaches

@@ -134,31 +134,35 @@ def test_tp_overlap_costs_userbuffers_in_the_estimate_and_the_simulator():
     assert off.tflops and on.tflops and on.tflops > off.tflops and on.peak_memory_gb > off.peak_memory_gb
 
 
-def test_dp_overlap_is_added_to_every_trial_unless_the_command_decides():
-    # preset dp_overlap=auto (the default): Megatron-core's gradient and parameter buffers exist either way
+def test_dp_overlap_is_added_to_every_trial_when_the_preset_says_auto():
+    # preset dp_overlap=auto (opt-in): Megatron-core's gradient and parameter buffers exist either way
     cand = {"tp": 2, "mbs": 1, "recompute_granularity": "none", "tp_comm_overlap": False}
     dist = [*SIM, "--bf16", "--use-distributed-optimizer"]
-    s = Space.from_preset(PRESET, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(dist)))
+    auto = {**PRESET, "dp_overlap": "auto"}
+    s = Space.from_preset(auto, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(dist)))
     out = inject(dist, s.options(cand))
     assert out.count("--overlap-grad-reduce") == 1 and out.count("--overlap-param-gather") == 1
     assert any(n.startswith("data-parallel overlap: --overlap-grad-reduce and --overlap-param-gather added")
                for n in s.notes())
     # without the distributed optimizer Megatron refuses the parameter gather: only the gradient reduce
     plain = [*SIM, "--bf16"]
-    s = Space.from_preset(PRESET, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(plain)))
+    s = Space.from_preset(auto, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(plain)))
     out = inject(plain, s.options(cand))
     assert "--overlap-grad-reduce" in out and "--overlap-param-gather" not in out
     # the command's own flags stay as written, once; dp_overlap=command adds nothing
     own = [*dist, "--overlap-grad-reduce"]
-    s = Space.from_preset(PRESET, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(own)))
+    s = Space.from_preset(auto, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(own)))
     out = inject(own, s.options(cand))
     assert out.count("--overlap-grad-reduce") == 1 and out.count("--overlap-param-gather") == 1
-    off = {**PRESET, "dp_overlap": "command"}
-    s = Space.from_preset(off, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(plain)))
+    # the default, dp_overlap=command, adds nothing (a trainer not knowing the flags would refuse every trial)
+    # and says what the command lacks
+    s = Space.from_preset(PRESET, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(plain)))
     assert "--overlap-grad-reduce" not in inject(plain, s.options(cand))
+    assert any(n.startswith("data-parallel overlap: the command lacks --overlap-grad-reduce; preset.dp_overlap=auto")
+               for n in s.notes())
     # ms-swift: booleans take a value (its MegatronArguments use the distributed optimizer by default)
     swift = ["megatron", "sft", "--model", "Qwen/Qwen3-8B"]
-    s = Space.from_preset(PRESET, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(swift)))
+    s = Space.from_preset(auto, Context(n_gpus=8, gbs=64, model=LLAMA8B, flags=facts(swift)))
     out = inject(swift, s.options(cand))
     assert out[out.index("--overlap_grad_reduce") + 1] == "true"
     assert out[out.index("--overlap_param_gather") + 1] == "true"
@@ -176,3 +180,13 @@ def test_a_dp_overlap_mode_that_does_not_exist_is_one_line(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr + out.stdout
     assert "preset.dp_overlap='always' is not one of auto|command" in out.stderr + out.stdout
+
+
+def test_a_bound_leaves_room_for_the_userbuffers_a_run_did_not_have():
+    from zenithtune.memory import MemoryModel, userbuffers_gb
+    lay = Layout(n_gpus=8, gbs=64, tp=4, mbs=1, sequence_parallel=True)
+    on = Layout(**{**lay.__dict__, "tp_comm_overlap": True})
+    mm = MemoryModel(LLAMA8B, 80.0)
+    mm.observe_success(lay, 70.0, reserved_gb=72.0)
+    assert userbuffers_gb(on, LLAMA8B) > 0 == userbuffers_gb(lay, LLAMA8B)
+    assert mm.bound_limit(on) < mm.bound_limit(lay)

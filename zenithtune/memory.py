@@ -323,8 +323,7 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
     extra = 1.0 if layout.moe_a2a_overlap else 0.0
     in_flight += extra
     opt, fixed = distributed_optimizer, overhead_gb
-    if layout.tp_comm_overlap:
-        fixed += _USERBUFFERS * 2 * act.tokens * sh.h / GIB
+    fixed += userbuffers_gb(layout, model)
     if p == 1:
         emb_all = par.emb * (1 if sh.tied else 2)
         return _stage(layout, par.dense + emb_all + par.vision, par.experts,
@@ -339,6 +338,14 @@ def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = 
                   routed_act=act.per_mb_routed + act.working_routed, logits_act=logits,  # for the output layer
                   distributed_optimizer=opt, overhead_gb=fixed)
     return first if first.total_gb >= last.total_gb else last
+
+
+def userbuffers_gb(layout: Layout, model: ModelInfo) -> float:
+    """Transformer Engine's userbuffers a --tp-comm-overlap run registers outside PyTorch's allocator (0 without)."""
+    sh = Shape.of(model) if layout.tp_comm_overlap else None
+    if sh is None:
+        return 0.0
+    return _USERBUFFERS * 2 * sh.s * layout.mbs / max(1, layout.cp) * sh.h / GIB
 
 
 def gpu_capacity_gb(configured: float | None) -> float:
@@ -404,6 +411,11 @@ def steps(a: Layout, b: Layout) -> list[tuple[str, ...]] | None:
     fragmentation that grows with both MBS and recompute) beyond any fixed factor."""
     diff = [g for g in _STEPS if any(getattr(a, f) != getattr(b, f) for f in g)]
     if any(g in diff for g in _SPLITS):
+        return None
+    if (a.recompute_granularity == "full") != (b.recompute_granularity == "full"):
+        # full recompute frees and re-allocates every recomputed layer's working set: how much the caching
+        # allocator then reserves is the trainer's law, not the estimate's (benchmarks/robustness.py: a
+        # stand-in trainer's full/block/2 ran out where a bound from its selective run said it fit)
         return None
     return diff if len(diff) <= NEIGHBOUR_DIMS and a.mbs <= 2 * b.mbs else None
 
@@ -788,6 +800,9 @@ class MemoryModel:
             return None
         _, top_layout, _, top, _ = max(self._held, key=lambda h: h[3])
         held = top - NCCL_CUSHION_GB * max(communicators(layout) - communicators(top_layout), 0)
+        # TE's userbuffers (--tp-comm-overlap) lie outside the allocator too: what `layout` adds beyond that
+        # run's, at the bound's first inflation
+        held -= GROWTHS[0] * max(userbuffers_gb(layout, self.model) - userbuffers_gb(top_layout, self.model), 0.0)
         return max(held, self.capacity_gb - NON_TORCH_MAX_GB)
 
     def observe_oom(self, layout: Layout, *, needed_gb: float | None = None,

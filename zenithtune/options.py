@@ -236,10 +236,14 @@ def dp_overlap_options(flags: CommandFacts, mode: str) -> tuple[str, ...]:
 
 
 def dp_overlap_note(flags: CommandFacts, mode: str) -> str | None:
-    """One line for the space report: which DP overlap switches every trial gets."""
-    added = dp_overlap_options(flags, mode)
+    """One line for the space report: which DP overlap switches every trial gets, or that the command lacks
+    them (preset dp_overlap=command, the default)."""
+    added = dp_overlap_options(flags, "auto")
     if not added:
         return None
+    if mode != "auto":
+        return (f"data-parallel overlap: the command lacks {' and '.join(added)}; preset.dp_overlap=auto adds "
+                f"them to every trial (they hide the gradient and parameter syncs at no memory cost)")
     return (f"data-parallel overlap: {' and '.join(added)} added to every trial (preset dp_overlap=auto: it hides "
             f"the gradient and parameter syncs at no memory cost; dp_overlap=command keeps the command's choice)")
 
