@@ -18,11 +18,16 @@ from zenithtune.validate import module_set
 
 __all__ = ["SequenceParallelMode", "SWIFT_DEFAULTS", "Adjusted", "adjust", "options_for",
            "sequence_parallel_for", "sequence_parallel_note", "layout_fields", "layout_notes", "command_sizes",
-           "states_virtual", "states_modules", "states_switch", "dp_overlap_options", "dp_overlap_note",
+           "states_virtual", "states_modules", "states_switch", "dp_overlap_options", "dp_overlap_note", "dp_overlap_mode",
            "DP_OVERLAP_MODES", "SWITCH_OPTIONS", "VPP_OPTIONS", "SWIFT_VPP_OPTION"]
 
 SequenceParallelMode = Literal["auto", "command"]
 DP_OVERLAP_MODES = ("auto", "command")
+
+
+def dp_overlap_mode(preset: Mapping[str, Any]) -> str:
+    """The preset's `dp_overlap` (default command: a trainer not knowing the flags would refuse every trial)."""
+    return str(preset.get("dp_overlap", "command"))
 
 # Options whose ms-swift default differs from Megatron's, for the options zenithtune injects (ms-swift
 # MegatronArguments, swift/megatron/arguments/megatron_args.py; the table is in docs/fidelity.md).
@@ -213,7 +218,7 @@ def adjust(preset: Mapping[str, Any], params: Mapping[str, Any], flags: CommandF
     if flags.distribute_saved_activations and not (tp > 1 and granularity == "full" and not sp):
         drop.append("--distribute-saved-activations")
     explicit: list[tuple[str, str]] = []
-    add = dp_overlap_options(flags, str(preset.get("dp_overlap", "command")))
+    add = dp_overlap_options(flags, dp_overlap_mode(preset))
     if flags.trainer == "swift":
         if "recompute_granularity" in spec and granularity is None:
             explicit.append(("--recompute-granularity", "none"))

@@ -22,6 +22,7 @@ from zenithtune.options import (
     Adjusted,
     adjust,
     command_sizes,
+    dp_overlap_mode,
     dp_overlap_note,
     layout_fields,
     layout_notes,
@@ -60,7 +61,7 @@ LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "etp")
 RECOMPUTE_PARAMS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 # Searched communication-overlap switches (conf/preset/megatron.yaml): on, they trade memory for hidden
 # communication; the strategies keep them fixed along a ladder like ViT checkpointing (`settings`).
-SWITCH_PARAMS = ("tp_comm_overlap", "moe_a2a_overlap")
+SWITCH_PARAMS = tuple(SWITCH_OPTIONS.values())  # the preset's names are the Layout fields they set
 
 
 def settings(c: Mapping[str, Any]) -> tuple:
@@ -284,7 +285,7 @@ class Space:
         mode = preset.get("sequence_parallel", "auto")
         if mode not in ("auto", "command"):
             raise UserError(f"preset.sequence_parallel={mode!r} is not one of auto|command")
-        overlap = preset.get("dp_overlap", "command")
+        overlap = dp_overlap_mode(preset)
         if overlap not in DP_OVERLAP_MODES:
             raise UserError(f"preset.dp_overlap={overlap!r} is not one of {'|'.join(DP_OVERLAP_MODES)}")
         return cls(params, preset, ctx)
@@ -378,6 +379,8 @@ class Space:
         fields = layout_fields(flags, pp)
         if self.modules_name and self.modules_name in norm:
             fields["recompute_modules"] = module_set(norm[self.modules_name])
+        # the command's --tp-comm-overlap runs where sequence parallelism does (adjust drops it elsewhere)
+        fields["tp_comm_overlap"] = flags.tp_comm_overlap and "--tp-comm-overlap" not in adj.drop
         for name, field_name in self.switches.items():
             if norm.get(name) is True:
                 fields[field_name] = True
@@ -396,8 +399,6 @@ class Space:
             overlap_p2p=flags.overlap_p2p,
             pipeline_extra_layers=flags.pipeline_extra_layers,
             local_impl=flags.local_impl,
-            tp_comm_overlap=fields.pop("tp_comm_overlap", False) or (
-                flags.tp_comm_overlap and "--tp-comm-overlap" not in adj.drop),
             distribute_saved_activations=(flags.distribute_saved_activations
                                           and "--distribute-saved-activations" not in adj.drop),
             **fields,
@@ -418,7 +419,7 @@ class Space:
         flags, moe = self.ctx.flags, self.ctx.model.is_moe
         mode = str(self.preset.get("sequence_parallel", "auto"))
         out = [sequence_parallel_note(flags, mode, moe)]  # type: ignore[arg-type]
-        dp_note = dp_overlap_note(flags, str(self.preset.get("dp_overlap", "command")))
+        dp_note = dp_overlap_note(flags, dp_overlap_mode(self.preset))
         if dp_note:
             out.append(dp_note)
         if flags.recompute_activations and "recompute_granularity" in self.params:
