@@ -379,3 +379,7 @@ def test_no_bound_reaches_across_full_recompute():
     other_full = Layout(**{**full.__dict__, "recompute_num_layers": 1})
     assert steps(full, sel) is None and steps(sel, full) is None
     assert steps(other_full, full) is not None  # within full recompute a bound still reaches
+    # ... but not across its methods: a bound from full/uniform/1 proved full/block/6 fits on that trainer, which
+    # ran out of memory: a 3rd OOM in a study with max_ooms=2
+    uniform = Layout(**{**full.__dict__, "recompute_method": "uniform", "recompute_num_layers": 1})
+    assert steps(full, uniform) is None and steps(uniform, full) is None

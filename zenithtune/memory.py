@@ -412,10 +412,13 @@ def steps(a: Layout, b: Layout) -> list[tuple[str, ...]] | None:
     diff = [g for g in _STEPS if any(getattr(a, f) != getattr(b, f) for f in g)]
     if any(g in diff for g in _SPLITS):
         return None
-    if (a.recompute_granularity == "full") != (b.recompute_granularity == "full"):
+    if (a.recompute_granularity == "full") != (b.recompute_granularity == "full") or \
+            (a.recompute_granularity == "full" and a.recompute_method != b.recompute_method):
         # full recompute frees and re-allocates every recomputed layer's working set: how much the caching
         # allocator then reserves is the trainer's law, not the estimate's (benchmarks/robustness.py: a
-        # stand-in trainer's full/block/2 ran out where a bound from its selective run said it fit)
+        # stand-in trainer's full/block/2 ran out where a bound from its selective run said it fit); so do
+        # block (the last layers keep everything) and uniform (every chunk's input) against each other
+        # (there a bound from full/uniform/1 proved full/block/6, which ran out: a 3rd OOM past max_ooms=2)
         return None
     return diff if len(diff) <= NEIGHBOUR_DIMS and a.mbs <= 2 * b.mbs else None
 

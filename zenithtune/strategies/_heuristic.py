@@ -37,8 +37,10 @@ How it chooses (each launch says which of these made it):
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
    predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
-   measurements that disagree (a third decides); and before stopping, a best whose runner-up is
-   within twice the noise. The noise is `noise` until repeats of three candidates measure it.
+   measurements that disagree (a third decides); and before stopping, every candidate the noise cannot
+   yet tell from the best (within two standard errors of the difference of their means, while those
+   could still hide `min_gain`), the one measured fewest times first, up to CONFIRM_RUNS runs each.
+   The noise is `noise` until repeats of three candidates measure it (then at least a quarter of it).
 7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
    (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
    most for candidates whose parallel sizes, alone or in pairs, no run measured (NOVEL_SD), so the
@@ -84,6 +86,11 @@ EXPLORE_MISSED = 0.3
 EXPLORE_WHY = "explore"
 
 
+# Measurements of one candidate at most, before stopping, to tell it from a best the noise could have
+# decided (3 % run-to-run noise: the mean of 4 runs is within 1.5 %)
+CONFIRM_RUNS = 4
+
+
 def _lay(c: dict, vp: bool = True) -> tuple:
     """The layout a candidate runs (its virtual pipeline size included unless `vp` is False)."""
     return tuple(c.get(k) for k in LAYOUT_KEYS if vp or k != "vp")
@@ -99,7 +106,7 @@ class HeuristicStrategy(Strategy):
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
-                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 5, noise: float = 0.02,
+                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 12, noise: float = 0.02,
                  explore_layouts: int = 4):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
@@ -443,7 +450,7 @@ class HeuristicStrategy(Strategy):
         spreads = [float(np.std(v, ddof=1)) for v in groups.values() if len(v) >= 2]
         if len(spreads) < 3:
             return self.noise
-        return max(self.noise / 2, float(np.median(spreads)))
+        return max(self.noise / 4, float(np.median(spreads)))
 
     def _repeats_left(self) -> int:
         return self.repeats - sum(1 for o in self.history if o.launched and o.repeat_of is not None)
@@ -490,19 +497,27 @@ class HeuristicStrategy(Strategy):
         return None
 
     def _confirm(self, reps: dict[tuple, Outcome], best: Outcome, noise: float, why: str) -> Proposal | None:
-        """Before stopping: when the runner-up is within the noise of the best, the one measured fewer
-        times is measured again (within `repeats`); else stop, saying why."""
+        """Before stopping: while the noise cannot tell a candidate from the best, the one of them measured
+        fewest times is measured again (within `repeats`); else stop, saying why."""
         counts = self._counts()
         others = [o for k, o in reps.items() if o is not best]
         if others and self._repeats_left() > 0:
-            runner = max(others, key=self._speed)
-            gap = self._speed(best) / self._speed(runner) - 1
-            if gap < 2 * noise:
-                for o in (best, runner):
-                    if counts.get(self.space.key(o.candidate), 0) < 2:
-                        return self._again(o, f"the best (trial {best.trial_number}) and the runner-up (trial "
-                                              f"{runner.trial_number}) are {100 * gap:.1f} % apart, within "
-                                              f"the noise ({100 * noise:.1f} %)")
+            # a candidate the noise cannot yet tell from the best (within 2 standard errors of the difference
+            # of their means, while those could still hide `min_gain`) could be the best: the one of them
+            # measured fewest times (then the faster) is measured again, up to CONFIRM_RUNS times each
+            n = lambda o: max(counts.get(self.space.key(o.candidate), 0), 1)  # noqa: E731
+            se = lambda o: noise * math.sqrt(1 / n(best) + 1 / n(o))  # noqa: E731
+            near = [o for o in others if self._speed(best) / self._speed(o) - 1 < 2 * se(o)
+                    and 2 * se(o) > self.min_gain]
+            if near:
+                o = min([best, *near], key=lambda o: (n(o), -self._speed(o)))
+                if n(o) < CONFIRM_RUNS:
+                    other = o if o is not best else max(near, key=self._speed)
+                    gap = self._speed(best) / self._speed(other) - 1
+                    return self._again(o, f"the best (trial {best.trial_number}) and trial {other.trial_number} are "
+                                          f"{100 * gap:.1f} % apart, which {n(best)} and {n(other)} measurement"
+                                          f"{'s' if n(other) > 1 else ''} do not tell from the noise "
+                                          f"({100 * noise:.1f} %)")
         self.stop_reason = why
         return None
 
