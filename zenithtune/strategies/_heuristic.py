@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import central
+from zenithtune.record import STRAGGLER, central
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -440,17 +440,25 @@ class HeuristicStrategy(Strategy):
         return counts
 
     def _noise_sd(self) -> float:
-        """Run-to-run noise as a relative sd: measured where at least three candidates were repeated
-        (the median of their spreads, so a pair holding one outlier does not make every result noise),
-        else the assumed `noise`."""
+        """Run-to-run noise as a relative sd: measured once three candidates were repeated, pooled over
+        every repeated candidate's runs that no straggler slowed (those `record.central` also leaves
+        out, so a pair holding one 1.5x outlier does not make every result noise); a median of a few
+        pairs' spreads is itself so noisy that two lucky pairs called 3 % noise 0.5 %. Else the assumed
+        `noise`; never below a quarter of it."""
         groups: dict[tuple, list[float]] = {}
         for o in self.history:
             if self._usable(o):
                 groups.setdefault(self.space.key(o.candidate), []).append(math.log(self._speed(o)))
-        spreads = [float(np.std(v, ddof=1)) for v in groups.values() if len(v) >= 2]
-        if len(spreads) < 3:
+        ss = dof = repeated = 0.0
+        for v in groups.values():
+            kept = [x for x in v if x >= max(v) + math.log(1 - STRAGGLER)]
+            if len(kept) >= 2:
+                ss += float(np.sum((np.array(kept) - np.mean(kept)) ** 2))
+                dof += len(kept) - 1
+            repeated += len(v) >= 2
+        if repeated < 3 or not dof:
             return self.noise
-        return max(self.noise / 4, float(np.median(spreads)))
+        return max(self.noise / 4, math.sqrt(ss / dof))
 
     def _repeats_left(self) -> int:
         return self.repeats - sum(1 for o in self.history if o.launched and o.repeat_of is not None)
