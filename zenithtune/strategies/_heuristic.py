@@ -37,7 +37,7 @@ How it chooses (each launch says which of these made it):
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
    predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
-   measurements that disagree (a third decides); and before stopping, every candidate the noise cannot
+   measurements that disagree (a third decides); and before stopping, a best that ran once, and every candidate the noise cannot
    yet tell from the best (within two standard errors of the difference of their means, while those
    could still hide `min_gain`), the one measured fewest times first, up to CONFIRM_RUNS runs each.
    The noise is `noise` until repeats of three candidates measure it (then at least a quarter of it).
@@ -517,6 +517,9 @@ class HeuristicStrategy(Strategy):
             se = lambda o: noise * math.sqrt(1 / n(best) + 1 / n(o))  # noqa: E731
             near = [o for o in others if self._speed(best) / self._speed(o) - 1 < 2 * se(o)
                     and 2 * se(o) > self.min_gain]
+            if n(best) < 2:  # one run could be a lucky one: it is confirmed before it is called the best
+                return self._again(best, f"the best (trial {best.trial_number}) ran once: confirmed before it is "
+                                         f"called the best")
             if near:
                 o = min([best, *near], key=lambda o: (n(o), -self._speed(o)))
                 if n(o) < CONFIRM_RUNS:
