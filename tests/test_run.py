@@ -90,13 +90,18 @@ def test_leftovers_of_a_finished_command_are_killed(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_kills_the_group_and_returns(tmp_path: Path) -> None:
+    # Ctrl-C once the whole tree is up (the grandchild's line, not a timer: a timer fired before the tree
+    # started on a loaded machine)
     main = threading.main_thread().ident
-    timer = threading.Timer(1.5, signal.pthread_kill, args=(main, signal.SIGINT))
-    timer.start()
-    try:
-        res = run([sys.executable, TREE], log_path=tmp_path / "log.txt", timeout=20, grace=0.3)
-    finally:
-        timer.cancel()
+    sent = threading.Event()
+
+    def on_line(line: str) -> None:
+        if "grandchild ready" in line and not sent.is_set():
+            sent.set()
+            signal.pthread_kill(main, signal.SIGINT)
+
+    res = run([sys.executable, TREE], log_path=tmp_path / "log.txt", timeout=20, grace=0.3, on_line=on_line)
+    assert sent.is_set(), res.output
     tree = pids(res.output)
     assert set(tree) == {"leader", "worker", "grandchild"}, res.output
     assert res.interrupted and not res.timed_out
