@@ -292,13 +292,16 @@ def central(values: list[float], direction: str) -> float:
     best. Noise on a throughput is one-sided where it is large: a straggler node, a checkpoint, a busy
     filesystem slow a run down, nothing speeds one up past its configuration, so two slowed runs out of
     three must not outvote the healthy one (a median would)."""
+    return float(statistics.median(unslowed(values, direction)))
+
+
+def unslowed(values: list[float], direction: str) -> list[float]:
+    """The measurements of one candidate no straggler slowed: those within STRAGGLER of its best."""
     if direction == "maximize":
         top = max(values)
-        kept = [v for v in values if v >= top * (1 - STRAGGLER)]
-    else:
-        top = min(values)
-        kept = [v for v in values if v <= top * (1 + STRAGGLER)]
-    return float(statistics.median(kept))
+        return [v for v in values if v >= top * (1 - STRAGGLER)]
+    top = min(values)
+    return [v for v in values if v <= top * (1 + STRAGGLER)]
 
 
 def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:

@@ -37,9 +37,10 @@ How it chooses (each launch says which of these made it):
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
    predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
-   measurements that disagree (a third decides); and before stopping, a best that ran once, and every candidate the noise cannot
-   yet tell from the best (within two standard errors of the difference of their means, while those
-   could still hide `min_gain`), the one measured fewest times first, up to CONFIRM_RUNS runs each.
+   measurements that disagree (a third decides); and before stopping, a best that ran once, and every
+   candidate the noise cannot yet tell from the best (within two standard errors of the difference of
+   their means, while those could still hide `min_gain`), the one measured fewest times first, up to
+   CONFIRM_RUNS runs each.
    The noise is `noise` until repeats of three candidates measure it (then at least a quarter of it).
 7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
    (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
@@ -59,7 +60,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import STRAGGLER, central
+from zenithtune.record import central, unslowed
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -448,13 +449,12 @@ class HeuristicStrategy(Strategy):
         groups: dict[tuple, list[float]] = {}
         for o in self.history:
             if self._usable(o):
-                groups.setdefault(self.space.key(o.candidate), []).append(math.log(self._speed(o)))
-        ss = dof = repeated = 0.0
+                groups.setdefault(self.space.key(o.candidate), []).append(self._speed(o))
+        ss, dof, repeated = 0.0, 0, 0
         for v in groups.values():
-            kept = [x for x in v if x >= max(v) + math.log(1 - STRAGGLER)]
-            if len(kept) >= 2:
-                ss += float(np.sum((np.array(kept) - np.mean(kept)) ** 2))
-                dof += len(kept) - 1
+            kept = np.log(unslowed(v, "maximize"))  # (rates: higher is better)
+            ss += float(np.sum((kept - kept.mean()) ** 2))
+            dof += len(kept) - 1
             repeated += len(v) >= 2
         if repeated < 3 or not dof:
             return self.noise
@@ -514,12 +514,12 @@ class HeuristicStrategy(Strategy):
             # of their means, while those could still hide `min_gain`) could be the best: the one of them
             # measured fewest times (then the faster) is measured again, up to CONFIRM_RUNS times each
             n = lambda o: max(counts.get(self.space.key(o.candidate), 0), 1)  # noqa: E731
-            se = lambda o: noise * math.sqrt(1 / n(best) + 1 / n(o))  # noqa: E731
-            near = [o for o in others if self._speed(best) / self._speed(o) - 1 < 2 * se(o)
-                    and 2 * se(o) > self.min_gain]
             if n(best) < 2:  # one run could be a lucky one: it is confirmed before it is called the best
                 return self._again(best, f"the best (trial {best.trial_number}) ran once: confirmed before it is "
                                          f"called the best")
+            se = lambda o: noise * math.sqrt(1 / n(best) + 1 / n(o))  # noqa: E731
+            near = [o for o in others if self._speed(best) / self._speed(o) - 1 < 2 * se(o)
+                    and 2 * se(o) > self.min_gain]
             if near:
                 o = min([best, *near], key=lambda o: (n(o), -self._speed(o)))
                 if n(o) < CONFIRM_RUNS:
