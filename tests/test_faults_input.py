@@ -133,3 +133,25 @@ def test_a_command_of_300_kb_runs(tmp_path):
     assert "1 complete" in r.stdout and (tmp_path / "count").exists()
     log = (tmp_path / "s" / "trial_0" / "trial.log").read_text()
     assert notes[-1] in log.splitlines()[0]  # the whole command, as given, reached the trial
+
+
+# --- the two front ends mixed up ------------------------------------------------------------------------
+@pytest.mark.parametrize("args, expected", [
+    (["n_gpus=8", "gbs=64", "nproc8"], "`nproc8` is not an override (key=value) nor a subcommand"),
+    (["-m", "n_gpus=8", "analyze"], "`analyze` is a subcommand of the original CLI: put it first"),
+])
+def test_a_word_that_is_no_override_is_one_line(tmp_path, args, expected):
+    _one_line(zt(tmp_path, *args), expected)
+    assert not list(tmp_path.glob("outputs/*/study.db"))
+
+
+def test_python_m_zenithtune_runs_the_original_subcommands(tmp_path):
+    db = _study(tmp_path)
+    r = zt(tmp_path, "analyze", "--no-plots", str(db))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "best: trial" in r.stdout and "launched 3" in r.stdout
+    r = zt(tmp_path, "analyze", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: zenithtune analyze"), r.stdout[:500] + r.stderr[-2000:]
+    # Hydra's options that take a value keep working (`--cfg job` is not a bare word)
+    r = zt(tmp_path, "--cfg", "job", "n_gpus=8", "gbs=64")
+    assert r.returncode == 0 and "n_gpus: 8" in r.stdout, r.stderr[-2000:]

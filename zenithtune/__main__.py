@@ -1,4 +1,5 @@
-"""`python -m zenithtune [hydra overrides] [-- command ...]`.
+"""`python -m zenithtune [hydra overrides] [-- command ...]`, or `python -m zenithtune optimize|apply|analyze ...`
+(the original CLI, zenithtune.cli).
 
 Everything after the first lone `--` is the wrapped training command, kept as an argv list and
 handed to the config through the environment (see zenithtune.resolvers); the rest goes to Hydra.
@@ -49,9 +50,40 @@ def _baseline_appended(hydra_args: list[str]) -> list[str]:
     return [f"+{a}" if key(a) == "baseline" and not a.startswith(("+", "~")) else a for a in hydra_args]
 
 
+# the original CLI's subcommands (zenithtune.cli): `python -m zenithtune analyze DB` runs them too
+SUBCOMMANDS = ("optimize", "apply", "analyze")
+# Hydra's own options that take the next word as their value (`--cfg job`, `-cn config`)
+_HYDRA_VALUED = frozenset({"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
+                           "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"})
+
+
+def _bare_word(hydra_args: list[str]) -> str | None:
+    """The first argument that is neither an override (`key=value`, `~key`) nor an option or its value:
+    Hydra would answer it with a parse error about a missing '='."""
+    prev = None
+    for a in hydra_args:
+        if not a.startswith(("-", "~")) and "=" not in a and prev not in _HYDRA_VALUED:
+            return a
+        prev = a
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        from zenithtune.cli import main as cli_main
+
+        return cli_main(argv)
     hydra_args, command = split_command(argv)
+    word = _bare_word(hydra_args)
+    if word is not None:
+        if word in SUBCOMMANDS:
+            why = f"`{word}` is a subcommand of the original CLI: put it first (python -m zenithtune {word} ...)"
+        else:
+            why = (f"`{word}` is not an override (key=value) nor a subcommand ({', '.join(SUBCOMMANDS)}); "
+                   f"e.g. python -m zenithtune -m preset=megatron n_gpus=8 gbs=64 -- <command>")
+        print(f"zenithtune: error: {why}", file=sys.stderr)
+        return 2
     if command is not None:
         if not command:
             print("zenithtune: error: nothing after `--`: give the training command, "
