@@ -383,3 +383,45 @@ def test_no_bound_reaches_across_full_recompute():
     # ran out of memory: a 3rd OOM in a study with max_ooms=2
     uniform = Layout(**{**full.__dict__, "recompute_method": "uniform", "recompute_num_layers": 1})
     assert steps(full, uniform) is None and steps(uniform, full) is None
+
+
+def test_an_oom_at_a_folded_expert_split_rules_out_only_what_needs_more_under_either_law():
+    # Expert activations: the estimate divides the routed tokens by TP; under MoE parallel folding a
+    # trainer divides them by expert TP, tp/etp times more. An OOM at TP 8 / expert TP 2 (x4 folded) rules
+    # out a candidate only where it needs at least as much under both laws.
+    moe = ModelInfo(num_layers=16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
+                    num_query_groups=4, seq_length=4096, vocab_size=32000, num_experts=64, moe_router_topk=8,
+                    moe_ffn_hidden_size=768, swiglu=True)
+    folded = Layout(16, 128, tp=8, pp=1, ep=2, etp=2, sequence_parallel=True, **SEL)
+    est = estimate(folded, moe)
+    assert est.expert_folding == 4.0 and est.expert_activations_gb > 0
+    assert estimate(Layout(16, 128, tp=2, ep=8, etp=2, sequence_parallel=True, **SEL), moe).expert_folding == 1.0
+    mm = MemoryModel(moe, 80)
+    mm.observe_oom(folded)
+    assert mm.predicted_oom(replace(folded, mbs=2))  # the same split at a larger MBS needs more under both
+    # TP 8 / EP 1 / expert TP 4: by the estimate's law it needs exactly what the OOM needed, component by
+    # component (so it was ruled out: "predicted >= the OOM's"); under folding half the OOM's routed tokens
+    other = Layout(16, 128, tp=8, pp=1, ep=1, etp=4, sequence_parallel=True, **SEL)
+    assert mm._x(estimate(other, moe)) == pytest.approx(mm._x(est))
+    assert mm.predicted_oom(other) is None
+
+
+
+def test_a_bound_grows_expert_activations_as_a_folding_trainer_would():
+    # A CP step from TP 4 / expert TP 1 doubles the routed tokens per rank; a trainer that splits them by
+    # expert TP (MoE parallel folding) holds 4x what the estimate's TP split says, so the bound's growth
+    # of that component must be the folded one (a stand-in trainer ran out of memory past max_ooms where
+    # the unfolded bound proved the step fits).
+    moe = ModelInfo(num_layers=16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
+                    num_query_groups=4, seq_length=4096, vocab_size=32000, num_experts=64, moe_router_topk=8,
+                    moe_ffn_hidden_size=768, swiglu=True)
+    ran = Layout(16, 128, tp=4, cp=2, ep=8, etp=1, sequence_parallel=True, **SEL)
+    step = replace(ran, cp=1)
+    mm = MemoryModel(moe, 80)
+    mm.observe_success(ran, measured_peak_gb=30.0, reserved_gb=33.0)
+    found = mm.bound(step)
+    assert found is not None
+    a, b = estimate(ran, moe), estimate(step, moe)
+    folded_growth = (mm._x_folded(b) - mm._x_folded(a))[3]
+    assert folded_growth > 3 * (mm._x(b) - mm._x(a))[3] > 0
+    assert found[0] >= (30.0 + memory.GROWTHS[0] * folded_growth) * 33.0 / 30.0

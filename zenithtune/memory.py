@@ -90,6 +90,9 @@ class MemoryEstimate:
     expert_activations_gb: float = 0.0
     logits_gb: float = 0.0
     full_recompute: bool = False  # the caching allocator fragments differently when layers are recomputed
+    # how many times expert_activations_gb a rank holds if expert TP, not TP, splits the routed tokens
+    # (Megatron-Core's MoE parallel folding): tp / expert tp where that is above 1
+    expert_folding: float = 1.0
 
     @property
     def total_gb(self) -> float:
@@ -293,7 +296,8 @@ def _stage(layout: Layout, params_dense: float, params_expert: float, act: float
         weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB, optimizer_gb=optimizer / GIB,
         activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name,
         expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB,
-        full_recompute=layout.recompute_granularity == "full")
+        full_recompute=layout.recompute_granularity == "full",
+        expert_folding=max(1.0, t / max(1, layout.expert_tp)) if routed_act else 1.0)
 
 
 def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = True,
@@ -553,8 +557,16 @@ class MemoryModel:
         fit (capacity minus its "max reserved"); None before any run reported its memory."""
         return self._fixed_cap
 
-    def _corrected(self, est: MemoryEstimate) -> float:
-        return self._fixed(est) + (1 + self._fragmentation(est)) * float(self._x(est) @ self._w)
+    def _corrected(self, est: MemoryEstimate, folded: bool = False) -> float:
+        x = self._x_folded(est) if folded else self._x(est)
+        return self._fixed(est) + (1 + self._fragmentation(est)) * float(x @ self._w)
+
+    @classmethod
+    def _x_folded(cls, est: MemoryEstimate) -> np.ndarray:
+        """The components if expert TP, not TP, split the routed tokens (`expert_folding`)."""
+        x = cls._x(est)
+        x[3] *= est.expert_folding
+        return x
 
     def _fit(self) -> None:
         """Posterior mean of the multipliers given the measured peaks, subject to what every OOM proves
@@ -616,8 +628,11 @@ class MemoryModel:
             return False
         if est.full_recompute == ok.full_recompute:
             return True
-        reserve = lambda e: (1 + self._fragmentation(e)) * float(self._x(e) @ self._w)  # noqa: E731
-        return reserve(est) <= reserve(ok)
+        return self._reserve(est) <= self._reserve(ok)
+
+    def _reserve(self, est: MemoryEstimate) -> float:
+        """What the allocator reserves for `est` as learned: its allocated part x its fragmentation."""
+        return (1 + self._fragmentation(est)) * float(self._x(est) @ self._w)
 
     def proven_fit(self, layout: Layout, vit_checkpointing: bool | None = None) -> bool:
         """Does a configuration that already ran need at least as much of every component?"""
@@ -659,17 +674,25 @@ class MemoryModel:
         return self._oom_reason(est)
 
     def _oom_reason(self, est: MemoryEstimate) -> str | None:
-        x = self._x(est)
+        # Both rules hold under either law of how expert tensor parallelism splits the routed tokens
+        # (`expert_folding`): an OOM at TP 8 / expert TP 2 whose expert activations a folding trainer holds
+        # 4x of says nothing of TP 1 / expert TP 1 by the unfolded estimate alone.
+        x, xf = self._x(est), self._x_folded(est)
         for bad in self._oom:
             # ...and clearly more in total: fragmentation differs between configurations (full recompute,
             # MoE token counts), so one a hair above an OOM may still fit; the learned rules judge those
-            if self._within(self._x(bad), x) and x.sum() >= (1 + DOMINANCE_MARGIN) * self._x(bad).sum():
+            # (recomputing otherwise, the allocator fragments otherwise: the reservation as learned decides,
+            # as it does for a proof of fit, `_fits_like`)
+            if self._within(self._x(bad), x) and self._within(self._x_folded(bad), xf) and \
+                    x.sum() >= (1 + DOMINANCE_MARGIN) * self._x(bad).sum() and \
+                    (est.full_recompute == bad.full_recompute or self._reserve(est) >= self._reserve(bad)):
                 return (f"needs at least as much of every memory component as a configuration that already "
                         f"ran out of memory ({self._corrected(bad):.1f} GB learned)")
         need = self._corrected(est)
         if self._oom:
             smallest = min(self._corrected(e) for e in self._oom)
-            if need >= smallest - 1e-9:
+            folded = min(self._corrected(e, folded=True) for e in self._oom)
+            if need >= smallest - 1e-9 and self._corrected(est, folded=True) >= folded - 1e-9:
                 return (f"predicted {need:.1f} GB >= {smallest:.1f} GB of a configuration that already ran "
                         f"out of memory")
         if need > self.limit_gb:
@@ -787,7 +810,10 @@ class MemoryModel:
                 a, b = self.estimate(here, vit), self.estimate(nxt, vit)
                 if a is None or b is None:
                     return None
-                d = self._x(b) - self._x(a)
+                # the larger growth (the smaller saving) of either law of how expert TP splits the routed
+                # tokens (`expert_folding`): a CP step from TP 4 / expert TP 1 grows a folding trainer's
+                # expert activations 4x what the estimate says
+                d = np.maximum(self._x(b) - self._x(a), self._x_folded(b) - self._x_folded(a))
                 total += float((np.maximum(growth, self._w) * np.clip(d, 0, None)).sum())
                 total += SAVINGS * float(np.clip(d, None, 0).sum())
                 here = nxt
