@@ -25,13 +25,20 @@ How it chooses (each launch says which of these made it):
    memory model screens (or `fit` excludes); the same layout and recompute at an MBS at least as large
    as one that ran out of memory; after an OOM, anything carrying more than `oom_risk` of running out,
    and after `max_ooms` OOMs, anything a run that fit does not prove fits (dominance.py; the study
-   loop enforces the same cap for every strategy); a
+   loop enforces the same cap for every strategy); for an MoE model, a TP / EP / expert-TP split no run
+   that fit had, or (any model) an MBS over twice the largest that fit on its split, carrying more than
+   NOVEL_RISK of running out once its doubt is widened by NOVEL_MEMORY_SD (RISK_DONE where that split ran
+   out of memory and never fit): `max_ooms` is spent where runs showed how this trainer uses memory; a
    larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
    crashed. When nothing the screen allows could beat the best, one budgeted memory probe
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
    among those the learned memory model gives at most `probe_risk` of running out.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
-   without it, and without if it won with it, since some trainers make full the faster.
+   without it, and without if it won with it, since some trainers make full the faster; and each layout
+   one TP / PP / CP / EP step (x2 or /2) from the best layout that no run measured is measured once, its
+   variant of highest prior x (1 - OOM risk) that may be launched (`neighbours` per study): a trainer
+   whose law the prior lacks (an all-to-all that leaves the node once CP x EP does) hides its optimum
+   next to the best, where a confident prediction is no measurement.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
    straggler slowed (`record.central`: within 10 % of its fastest run). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
@@ -85,6 +92,18 @@ NOVEL_SD = 0.15
 # then, before stopping, the layouts no run measured are measured (`explore_layouts` of them).
 EXPLORE_MISSED = 0.3
 EXPLORE_WHY = "explore"
+NEIGHBOUR_WHY = "test, don't assume: a neighbour"
+
+
+# Memory on ground no run that fit has covered -- an MoE model's TP / EP / expert-TP split none of them had
+# (where trainers differ by whole factors: expert activations divided by expert TP rather than TP under MoE
+# parallel folding) or an MBS more than twice the largest that fit on its split (buffers per extra
+# sample) -- is uncertain beyond what the learned model knows: its prediction is taken to be off by
+# NOVEL_MEMORY_SD (log, 1 sd: x1.35) on top of the model's own sd, and such a launch may carry at most
+# NOVEL_RISK of running out of memory. The `max_ooms` budget is spent where runs have shown how this
+# trainer uses memory, not on the first guesses about a layout nothing measured.
+NOVEL_MEMORY_SD = 0.3
+NOVEL_RISK = 0.25
 
 
 # Measurements of one candidate at most, before stopping, to tell it from a best the noise could have
@@ -95,6 +114,11 @@ CONFIRM_RUNS = 4
 def _lay(c: dict, vp: bool = True) -> tuple:
     """The layout a candidate runs (its virtual pipeline size included unless `vp` is False)."""
     return tuple(c.get(k) for k in LAYOUT_KEYS if vp or k != "vp")
+
+
+def _split(c: dict) -> tuple:
+    """How a candidate splits the model's tensors: TP, EP, expert TP (memory laws differ most here)."""
+    return c.get("tp"), c.get("ep"), c.get("etp")
 
 
 def _rec(c: dict) -> tuple:
@@ -108,7 +132,7 @@ class HeuristicStrategy(Strategy):
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
                  oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 12, noise: float = 0.02,
-                 explore_layouts: int = 4):
+                 explore_layouts: int = 4, neighbours: int = 6):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -148,6 +172,10 @@ class HeuristicStrategy(Strategy):
             raise ValueError(f"explore_layouts={explore_layouts} must be >= 0 (4: launches that may measure "
                              f"layouts no run measured when the predictions proved wrong)")
         self.explore_layouts = int(explore_layouts)
+        if neighbours < 0:
+            raise ValueError(f"neighbours={neighbours} must be >= 0 (6: launches that may measure the layouts one "
+                             f"parallel size away from the best before stopping)")
+        self.neighbours = int(neighbours)
         self._predicted: dict[tuple, tuple[float, float]] = {}  # key -> (predicted rate, log sd) when proposed
         self._pending: list[dict] = []  # this wave's proposals not yet told (ask's `pending`)
 
@@ -208,6 +236,46 @@ class HeuristicStrategy(Strategy):
         return [c for i, c in enumerate(pool) if c.get("recompute_method") != "uniform" or i in keep]
 
     # --- memory -------------------------------------------------------------------------------------
+    def _novel(self, c: dict) -> tuple[str, float] | None:
+        """What of `c` no run that fit has covered (NOVEL_MEMORY_SD), and the OOM risk a launch of it may
+        carry; None when runs cover it (or none fit yet)."""
+        if getattr(self, "_covered_at", None) != len(self.history):
+            self._covered: dict[tuple, int] = {}  # split -> the largest MBS a run that fit had on it
+            self._split_ooms: dict[tuple, int] = {}  # split -> a trial that ran out of memory on it
+            for o in self.history:
+                k = _split(o.candidate)
+                if o.ok:
+                    self._covered[k] = max(self._covered.get(k, 0), int(o.candidate.get("mbs", 1)))
+                elif o.launched and o.kind == FailureKind.OOM:
+                    self._split_ooms.setdefault(k, o.trial_number or 0)
+            self._covered_at = len(self.history)
+        if not self._covered:
+            return None
+        top = self._covered.get(_split(c))
+        if top is None and not self.ctx.model.num_experts:
+            # a dense model's memory splits by TP as the estimate says (weights / tp, activations / tp
+            # with sequence parallelism); only the MBS is new ground
+            top = max(self._covered.values())
+        if top is None:
+            oom = self._split_ooms.get(_split(c))
+            if oom is not None:  # its law is shown to be other than the model's, and no run says which
+                return f"a tp/ep/etp split that ran out of memory (trial {oom}) and never fit", RISK_DONE
+            return "a tp/ep/etp split no run that fit had", NOVEL_RISK
+        if int(c.get("mbs", 1)) > 2 * top:
+            return f"mbs {c.get('mbs')}, over twice the largest that fit on its split ({top})", NOVEL_RISK
+        return None
+
+    def _risk(self, c: dict) -> tuple[float, tuple[str, float] | None]:
+        """The OOM risk a launch of `c` carries and, where no run covered it, what and the risk allowed
+        (then the risk is the learned model's, widened by NOVEL_MEMORY_SD)."""
+        a = self.judge.assess(c)
+        gb = a.predicted_gb
+        novel = None if a.fits_surely or a.proven_fit or gb is None else self._novel(c)
+        if novel is None or gb is None:
+            return a.oom_risk, None
+        sd = math.hypot(a.sd or 0.0, NOVEL_MEMORY_SD * gb)
+        return max(a.oom_risk, 0.5 * math.erfc((self.judge.capacity_gb - gb) / (sd * math.sqrt(2)))), novel
+
     def _fits(self, c: dict, share: float | None) -> tuple[bool, str]:
         a = self.judge.assess(c)
         if a.predicted_oom:
@@ -218,6 +286,10 @@ class HeuristicStrategy(Strategy):
         cap = self.judge.capacity_gb
         if share is not None and gb > share * cap:
             return False, f"{gb:.0f}/{cap:g} GB"
+        risk, novel = self._risk(c)
+        if novel and risk > novel[1]:
+            return False, (f"{gb:.0f}/{cap:g} GB on {novel[0]}: a {100 * risk:.0f} % risk of running out of "
+                           f"memory, above {100 * novel[1]:g} % where no run measured this trainer's memory")
         ooms = sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
@@ -227,7 +299,6 @@ class HeuristicStrategy(Strategy):
                     return False, (f"{gb:.0f}/{cap:g} GB, not proven to fit by a run that fit after {ooms} OOM "
                                    f"(max_ooms={self.max_ooms})")
                 return True, f"{gb:.0f}/{cap:g} GB, {a.fits_surely}"
-            risk = a.oom_risk
             if risk > allowed:
                 return False, (f"{gb:.0f}/{cap:g} GB carries a {100 * risk:.0f} % risk of running out of memory, "
                                f"above {100 * allowed:g} % after {ooms} OOM")
@@ -327,7 +398,7 @@ class HeuristicStrategy(Strategy):
         # the memory limit a launch may run out of memory and teach nothing about speed, so a candidate's
         # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
         hopeful = np.flatnonzero(ucb > target * (1 + self.min_gain))
-        risk = np.array([self.judge.assess(self._pool[at[j]]).oom_risk for j in hopeful])
+        risk = np.array([self._risk(self._pool[at[j]])[0] for j in hopeful])
         risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
         order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
         ruled = unfit = 0
@@ -357,8 +428,8 @@ class HeuristicStrategy(Strategy):
                     probe = (worth, Proposal(dict(cand), probe_memory=True,
                                              why=f"memory probe: {why}, though {mem}; {100 * r:.0f} % risk of "
                                                  f"running out of memory for the best expected gain per risk"))
-        found = self._granularity_check(best, tried, reps) or (probe[1] if probe else None) or \
-            self._unmeasured_layout(tried, reps)
+        found = self._granularity_check(best, tried, reps) or self._neighbour(best, tried, reps) or \
+            (probe[1] if probe else None) or self._unmeasured_layout(tried, reps)
         if found is not None:
             return found
         return self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
@@ -608,6 +679,40 @@ class HeuristicStrategy(Strategy):
                 continue
             return Proposal(dict(cand), why=f"test, don't assume: recompute {_rec_desc(cand)} on the best layout "
                             f"(trial {best.trial_number} won with {_rec_desc(b)})")
+        return None
+
+    def _neighbour(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome]) -> Proposal | None:
+        """Test, don't assume: before stopping, each layout one parallel size away from the best layout's
+        (TP, PP, CP or EP halved or doubled) that no run measured is measured once, its variant with the
+        highest prior that may be launched first (`neighbours` such launches per study). A trainer whose
+        law the prior lacks (an all-to-all that leaves the node once CP x EP does) hides its optimum
+        exactly there: a prediction, however confident, is not a measurement of the next layout."""
+        if sum(1 for o in self.history if (o.why or "").startswith(NEIGHBOUR_WHY)) >= self.neighbours:
+            return None
+        b = best.candidate
+        steps: dict[tuple, str] = {}
+        for k in ("tp", "pp", "cp", "ep"):
+            v = b.get(k)
+            if not isinstance(v, int):
+                continue
+            for n in (v // 2, 2 * v):
+                if n >= 1 and n != v:
+                    steps.setdefault(_lay({**b, k: n}, vp=False), f"{k} {v}->{n}")
+        measured = {_lay(o.candidate, vp=False) for o in self.history if o.launched} | \
+            {_lay(c, vp=False) for c in self._pending}
+        # of each such layout, the variant worth most once the risk of running out of memory is priced in
+        # (prior x (1 - risk)): an OOM there would spend the study's `max_ooms` and teach nothing of speed
+        options = [i for i, c in enumerate(self._pool) if _lay(c, vp=False) in steps and _lay(c, vp=False) not in measured
+                   and self._keys[i] not in tried]
+        for i in sorted(options, key=lambda i: -self._prior[i] * (1 - self._risk(self._pool[i])[0])):
+            cand = self._pool[i]
+            if self._ruled_out(cand, reps):
+                continue
+            fits, mem = self._fits(cand, self.fit)
+            if fits:
+                lay = _lay(cand, vp=False)
+                return Proposal(dict(cand), why=f"{NEIGHBOUR_WHY}: layout {self._layout_note(cand)}, {steps[lay]} "
+                                f"from the best layout (trial {best.trial_number}), never measured; {mem}")
         return None
 
     # --- one line of why ----------------------------------------------------------------------------
