@@ -100,7 +100,13 @@ def test_ctrl_c_kills_the_group_and_returns(tmp_path: Path) -> None:
             sent.set()
             signal.pthread_kill(main, signal.SIGINT)
 
-    res = run([sys.executable, TREE], log_path=tmp_path / "log.txt", timeout=20, grace=0.3, on_line=on_line)
+    # Python's own Ctrl-C (KeyboardInterrupt), whatever handler an earlier test of the session left behind:
+    # in the full CI run the SIGINT was lost and the tree ran to its 20 s timeout (-15)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        res = run([sys.executable, TREE], log_path=tmp_path / "log.txt", timeout=20, grace=0.3, on_line=on_line)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert sent.is_set(), res.output
     tree = pids(res.output)
     assert set(tree) == {"leader", "worker", "grandchild"}, res.output
