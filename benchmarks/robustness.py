@@ -249,7 +249,7 @@ def save_cache(cache: dict[str, dict]) -> None:
     sim, code = _sim_hash(), _code_hash()
     keep = {k: v for k, v in cache.items()
             if (k.startswith("study/") and k.split("/")[1] == code) or k.split("/")[0] == sim}
-    CACHE.write_text(json.dumps(keep, indent=0))
+    CACHE.write_text(json.dumps(keep, separators=(",", ":")))  # compact: the tracked file stays small
 
 
 def _task(task: tuple) -> tuple:

@@ -1,7 +1,7 @@
 """`zenithtune optimize | apply | analyze`: the seed's command line, translated into one Hydra call.
 
 There is one implementation. Each subcommand turns its options into the override list of
-`python -m zenithtune` and calls the same `zenithtune.__main__.main` (analyze only reads a study):
+`python -m zenithtune` and calls the same `zenithtune.hydra_main.main` (analyze only reads a study):
 
   zenithtune optimize --preset megatron --args n_gpus=8,gbs=64 --strategy megatron-staged-blackbox \\
       --n-trials 50 --timeout-dynamic --db-path runs/llama/study.db -- python pretrain_gpt.py ...
@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from zenithtune import study as zstudy
 from zenithtune.errors import UserError, ZenithtuneError
-from zenithtune.overrides import hydra_quote, remember_invocation, split_command
+from zenithtune.overrides import SUBCOMMANDS, hydra_quote, remember_invocation, split_command
 from zenithtune.overrides import key as _key
 from zenithtune.overrides import merge as _merge
 from zenithtune.overrides import value as _param_value
@@ -329,7 +329,6 @@ def _add_shape(p: argparse.ArgumentParser) -> None:
                         "stage1_trials, gpu_memory_gb, ... (any key of conf/config.yaml)")
 
 
-SUBCOMMANDS = ("optimize", "apply", "analyze")
 
 
 def _subcommand_not_first(own: Sequence[str]) -> str | None:
@@ -405,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if what:
         print(f"zenithtune: applying {what}", flush=True)
-    from zenithtune.__main__ import main as zenithtune_main
+    from zenithtune.hydra_main import main as zenithtune_main
 
     with remember_invocation(own if ns.subcommand == "optimize" else None):
         return zenithtune_main(overrides + (["--", *command] if command else []))

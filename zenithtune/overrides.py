@@ -20,6 +20,9 @@ INVOCATION_ENV = "ZENITHTUNE_INVOCATION"
 _SAFE = re.compile(r"[A-Za-z0-9_./:+@%-]*")
 
 
+# the original CLI's subcommands (zenithtune.cli): `python -m zenithtune analyze DB` runs them too
+SUBCOMMANDS = ("optimize", "apply", "analyze")
+
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
     """Everything after the first lone `--` is the wrapped command."""
     argv = list(argv)
