@@ -322,16 +322,16 @@ def test_a_bound_from_a_measured_run_proves_a_neighbour_fits_and_proves_nothing_
 
 
 def test_an_oom_refutes_the_inflation_that_proved_it_even_when_its_lesson_moves_the_bound():
-    """MBS 2 is proven at x2 from a measured MBS 1 and runs out of memory, saying it needed 400 GB. What the
-    OOM teaches (a far larger multiplier) puts the same bound above the limit now, so re-checking the OOM
-    against today's bound finds nothing wrong with x2; the inflation that proved it was wrong all the same,
-    and the next bound uses x3 (robustness.py's memory trainer ran a 4th OOM at x2 after a 3rd at x2)."""
-    mm = MemoryModel(LLAMA8, 141)
+    """MBS 2 is proven at x2 from a measured MBS 1 on a 70 GB GPU and runs out of memory, saying it needed
+    84 GB. What the OOM teaches (activations x3) puts the same bound above the limit now, so re-checking the
+    OOM against today's bound finds nothing wrong with x2; the inflation that proved it was wrong all the
+    same, and the next bound uses x3 (robustness.py's memory trainer ran a 4th OOM at x2 after a 3rd at x2)."""
+    mm = MemoryModel(LLAMA8, 70)
     one, two = (Layout(8, 64, tp=2, pp=2, sequence_parallel=True, mbs=m, **SEL) for m in (1, 2))
     e1 = mm.estimate(one)
     mm.observe_success(one, measured_peak_gb=e1.allocated_gb, reserved_gb=e1.allocated_gb * 1.05, tag=7)
     assert mm.bound_growth == 2.0 and mm.bound(two)[0] <= mm.bound_limit(two)  # proven: it is launched
-    mm.observe_oom(two, needed_gb=400)
+    mm.observe_oom(two, needed_gb=84)
     assert mm.bound(two)[0] > mm.bound_limit(two)  # today's bound no longer proves it ...
     assert mm.bound_growth == 3.0  # ... and x2 is refuted anyway
 
@@ -425,3 +425,50 @@ def test_a_bound_grows_expert_activations_as_a_folding_trainer_would():
     folded_growth = (mm._x_folded(b) - mm._x_folded(a))[3]
     assert folded_growth > 3 * (mm._x(b) - mm._x(a))[3] > 0
     assert found[0] >= (30.0 + memory.GROWTHS[0] * folded_growth) * 33.0 / 30.0
+
+
+def _folding_trainer_runs(capacity: float) -> tuple[MemoryModel, ModelInfo]:
+    """A MoE model on a trainer that splits the routed tokens by expert TP (MoE parallel folding), whose
+    peaks are the estimate's components with the routed part folded; two runs at TP 1 (where both laws agree)."""
+    moe = ModelInfo(num_layers=16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
+                    num_query_groups=4, seq_length=4096, vocab_size=32000, num_experts=64, moe_router_topk=8,
+                    moe_ffn_hidden_size=768, swiglu=True)
+    mm = MemoryModel(moe, capacity)
+    for m in (1, 2):
+        ran = Layout(16, 128, tp=1, ep=8, etp=1, mbs=m, **SEL)
+        peak = float(mm._x_folded(mm.estimate(ran)).sum())
+        mm.observe_success(ran, measured_peak_gb=peak, reserved_gb=peak * 1.1)
+    return mm, moe
+
+
+def test_an_oom_the_estimates_law_cannot_explain_switches_the_law_instead_of_inflating_every_prediction():
+    # TP 8 / expert TP 1 runs out of memory: the folding trainer holds 8x the routed tokens the estimate's TP
+    # split says, which no multiplier in range gives. Scaling every component up to meet it (as before)
+    # contradicted the runs that fit: on robustness.py's 64-expert MoE every prediction doubled and the
+    # optimum, ~50 GB, was predicted 114 GB and never launched. The folded law explains the OOM with the
+    # multipliers where they were, so a candidate both laws agree on is predicted as before.
+    mm, _ = _folding_trainer_runs(40)
+    cand = Layout(16, 128, tp=1, ep=4, etp=1, mbs=2, **SEL)
+    before = mm.predict(cand)
+    assert not mm.folds and before < 40
+    oom = Layout(16, 128, tp=8, ep=2, etp=1, sequence_parallel=True, mbs=4, **SEL)
+    assert mm.predict(oom) < 30  # the estimate's law: it would fit
+    mm.observe_oom(oom)
+    assert mm.folds
+    assert mm.predict(cand) == pytest.approx(before, rel=0.02)
+    assert mm.predicted_oom(cand) is None
+    assert mm.predict(oom) >= 40  # and the OOM itself is explained
+
+
+def test_a_trainer_that_does_not_fold_keeps_the_estimates_law():
+    # the same runs plus a measured TP 2 / expert TP 1 run at what the estimate's law says: no evidence to fold
+    mm, moe = _folding_trainer_runs(80)
+    tp2 = Layout(16, 128, tp=2, ep=8, etp=1, sequence_parallel=True, mbs=1, **SEL)
+    est = mm.estimate(tp2)
+    mm.observe_success(tp2, measured_peak_gb=est.allocated_gb, reserved_gb=est.allocated_gb * 1.1)
+    assert not mm.folds
+    # ... and one at what the folded law says switches it
+    mm2, _ = _folding_trainer_runs(80)
+    peak = float(mm2._x_folded(est).sum())
+    mm2.observe_success(tp2, measured_peak_gb=peak, reserved_gb=peak * 1.1)
+    assert mm2.folds

@@ -376,6 +376,10 @@ DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration 
 
 
 COMPONENTS = ("weights", "optimizer", "activations", "expert_activations", "logits")
+W_MIN, W_MAX = 0.3, 3.0  # how far a learned multiplier may go: beyond, the trainer differs in structure, not scale
+# How much better (in -2 log posterior) the folded law of expert splitting must explain the evidence to be
+# believed over the estimate's own (a likelihood ratio of e^2): one measurement off by 3 sd decides, noise does not.
+LAW_EVIDENCE = 4.0
 
 # A bound from a measured run (`MemoryModel.bound`) trusts the run's own measurement and extrapolates
 # only the estimate's difference to the candidate, pessimistically: growth x GROWTHS[0], more after an OOM
@@ -454,12 +458,16 @@ class MemoryModel:
       estimate's allocated part): a Bayesian linear fit with prior 1 +- COMPONENT_SD each, so one
       measurement moves mostly the component that dominates it, and runs that differ in what
       dominates (a larger MBS: activations; less TP: weights; more EP: expert activations) separate
-      them. A measured "max reserved" replaces the assumed fragmentation by the one measured on runs
+      them. How an MoE's routed tokens are split (by TP as the estimate has it, or by expert TP under
+      MoE parallel folding) is a law, not a scale: both are fitted and the one the evidence favours
+      predicts (`folds`). A measured "max reserved" replaces the assumed fragmentation by the one measured on runs
       that recompute alike (full recompute fragments more), and proves that what lies outside the
       allocator (CUDA context, NCCL buffers) is at most what the run left of the GPU. The
       fit's posterior also says how uncertain a prediction still is (`predict_sd`).
     * An OOM adds what it proves: the config needed more than the GPU has (and more than the OOM
-      message's "in use" + "tried to allocate" where known), as a lower bound the fit must respect;
+      message's "in use" + "tried to allocate" where known), as a lower bound the fit respects as far
+      as multipliers within [W_MIN, W_MAX] can (beyond, it counts against the law, and the rules below
+      hold it at what it proved);
       every config needing at least as much of every component is predicted OOM, and so is every
       config whose learned prediction is at least that config's, whatever its layout (TP, PP, EP, MBS
       or recompute).
@@ -483,7 +491,7 @@ class MemoryModel:
         self.flash_attention = bool(flash_attention)
         self.overhead_gb = float(overhead_gb)
         self._estimates: dict[tuple[Layout, bool | None], MemoryEstimate | None] = {}  # the estimate never learns
-        self._measured: list[tuple[np.ndarray, float]] = []  # (components, measured allocated GB)
+        self._measured: list[tuple[MemoryEstimate, float]] = []  # (what ran, its measured allocated GB)
         self._bounds: list[tuple[MemoryEstimate, float]] = []  # (what ran out of memory, GB it needed at least)
         self._frag: list[tuple[bool, float]] = []  # (full recompute?, measured reserved / allocated)
         self._fixed_cap: float | None = None  # what runs that fit prove the non-PyTorch part is at most (GB)
@@ -497,6 +505,7 @@ class MemoryModel:
         n = len(COMPONENTS)
         self._w = np.ones(n)  # learned multipliers, in COMPONENTS' order
         self._cov = np.eye(n) * COMPONENT_SD ** 2  # their posterior covariance
+        self._folds = False  # the evidence says expert TP, not TP, splits the routed tokens (`folds`)
         self._misses: list[float] = []  # how far off observations the model did not expect were (shares)
 
     @property
@@ -557,8 +566,18 @@ class MemoryModel:
         fit (capacity minus its "max reserved"); None before any run reported its memory."""
         return self._fixed_cap
 
-    def _corrected(self, est: MemoryEstimate, folded: bool = False) -> float:
-        x = self._x_folded(est) if folded else self._x(est)
+    @property
+    def folds(self) -> bool:
+        """Does this trainer split the MoE layers' routed tokens by expert TP rather than TP (Megatron-Core's
+        MoE parallel folding, `MemoryEstimate.expert_folding`)? Chosen by the evidence (`_fit`)."""
+        return self._folds
+
+    def _xl(self, est: MemoryEstimate) -> np.ndarray:
+        """The components under the law of expert splitting the evidence favours (`folds`)."""
+        return self._x_folded(est) if self._folds else self._x(est)
+
+    def _corrected(self, est: MemoryEstimate, folded: bool | None = None) -> float:
+        x = self._x_folded(est) if (self._folds if folded is None else folded) else self._x(est)
         return self._fixed(est) + (1 + self._fragmentation(est)) * float(x @ self._w)
 
     @classmethod
@@ -569,30 +588,44 @@ class MemoryModel:
         return x
 
     def _fit(self) -> None:
+        """Fit the multipliers under both laws of how expert TP splits the routed tokens (`expert_folding`)
+        and keep the law the evidence favours: the estimate's own (TP splits them) unless the other
+        explains the measured peaks and the OOMs clearly better (LAW_EVIDENCE). One law's fit cannot
+        meet an OOM at TP 4 / expert TP 1 whose routed tokens a folding trainer holds 4x of without
+        tripling every component, which the runs that fit contradict (robustness.py, 64-expert MoE on
+        the stand-in trainer: every prediction doubled, the optimum hidden at 114 GB of its ~50)."""
+        plain, folded = self._fit_law(False), self._fit_law(True)
+        self._folds = folded[2] + LAW_EVIDENCE < plain[2]
+        self._w, self._cov, _ = folded if self._folds else plain
+
+    def _fit_law(self, fold: bool) -> tuple[np.ndarray, np.ndarray, float]:
         """Posterior mean of the multipliers given the measured peaks, subject to what every OOM proves
         (its components needed at least its bound): a small quadratic program solved by active sets,
         so a bound shapes the fit only where the others do not already imply it (two OOMs that differ
-        in one component must not pin that component to zero by both being held as equalities)."""
+        in one component must not pin that component to zero by both being held as equalities).
+        Returns (multipliers, covariance, misfit): the misfit is the fit's -2 log posterior (measured
+        peaks in their sd, the multipliers' distance from 1) plus what an OOM the multipliers, clipped
+        to [W_MIN, W_MAX], still cannot explain, in sd of its bound. An unexplained OOM is not made
+        up by scaling every component (that contradicts every run that fit); it is evidence against
+        the law, and `_oom_reason` judges by it directly."""
+        design = self._x_folded if fold else self._x
         n = len(COMPONENTS)
         prior = np.full(n, 1 / COMPONENT_SD ** 2)
         A, b = np.diag(prior), prior.copy()
+        X = np.array([design(e) for e, _ in self._measured]).reshape(len(self._measured), n)
+        y = np.array([v for _, v in self._measured])
+        sd = np.maximum(MEASURED_SD * y, 1e-3)
         if self._measured:
-            X = np.array([x for x, _ in self._measured])
-            y = np.array([v for _, v in self._measured])
-            sd = np.maximum(MEASURED_SD * y, 1e-3)
             A = A + (X / sd[:, None] ** 2).T @ X
             b = b + (X / sd[:, None] ** 2).T @ y
         # in allocated terms: what the allocator must have handed out for the total to exceed the need
         # (converted now, with what is known now of the non-PyTorch part and the fragmentation)
-        C = np.array([self._x(e) for e, _ in self._bounds]).reshape(len(self._bounds), n)
+        C = np.array([design(e) for e, _ in self._bounds]).reshape(len(self._bounds), n)
         d = np.array([(need - self._fixed(e)) / (1 + self._fragmentation(e)) for e, need in self._bounds])
-        w = _bounded_least_squares(A, b, C, d)
-        # what an OOM proves is not negotiable: a bound the solver could not meet (the clip, or bounds
-        # that contradict measured runs) is made up uniformly
-        w = np.clip(w, 0.3, 3.0)
-        short = max((y / float(x @ w) for x, y in zip(C, d) if float(x @ w) > 0), default=1.0)
-        self._w = w * max(short, 1.0)
-        self._cov = np.linalg.inv(A)
+        w = np.clip(_bounded_least_squares(A, b, C, d), W_MIN, W_MAX)
+        misfit = float((((w - 1) / COMPONENT_SD) ** 2).sum() + (((y - X @ w) / sd) ** 2).sum())
+        misfit += float(((np.clip(d - C @ w, 0, None) / np.maximum(MEASURED_SD * d, 1e-3)) ** 2).sum())
+        return w, np.linalg.inv(A), misfit
 
     def predict(self, layout: Layout, vit_checkpointing: bool | None = None) -> float | None:
         """Predicted peak GB (the estimate, corrected by what the study measured), or None."""
@@ -606,7 +639,7 @@ class MemoryModel:
         return None if est is None else self._sd(est)
 
     def _sd(self, est: MemoryEstimate) -> float:
-        x = self._x(est)
+        x = self._xl(est)
         fitted = (1 + self._fragmentation(est)) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
         return math.hypot(fitted, self.model_error * self._corrected(est))
 
@@ -624,15 +657,15 @@ class MemoryModel:
     def _fits_like(self, est: MemoryEstimate, ok: MemoryEstimate) -> bool:
         """Does `est` surely fit because `ok` ran: no more of any component and, recomputing otherwise
         (the allocator fragments differently), no larger a reservation as learned."""
-        if not self._within(self._x(est), self._x(ok)):
-            return False
+        if not (self._within(self._x(est), self._x(ok)) and self._within(self._x_folded(est), self._x_folded(ok))):
+            return False  # (under either law of expert splitting)
         if est.full_recompute == ok.full_recompute:
             return True
         return self._reserve(est) <= self._reserve(ok)
 
     def _reserve(self, est: MemoryEstimate) -> float:
         """What the allocator reserves for `est` as learned: its allocated part x its fragmentation."""
-        return (1 + self._fragmentation(est)) * float(self._x(est) @ self._w)
+        return (1 + self._fragmentation(est)) * float(self._xl(est) @ self._w)
 
     def proven_fit(self, layout: Layout, vit_checkpointing: bool | None = None) -> bool:
         """Does a configuration that already ran need at least as much of every component?"""
@@ -690,8 +723,10 @@ class MemoryModel:
                         f"ran out of memory ({self._corrected(bad):.1f} GB learned)")
         need = self._corrected(est)
         if self._oom:
-            smallest = min(self._corrected(e) for e in self._oom)
-            folded = min(self._corrected(e, folded=True) for e in self._oom)
+            # (an OOM the fit cannot explain is held at what it proved it needed, not at its prediction: the
+            # ranking says nothing beyond the GPU's size where the model missed that run)
+            smallest = min(max(self._corrected(e), need) for e, need in self._bounds)
+            folded = min(max(self._corrected(e, folded=True), need) for e, need in self._bounds)
             if need >= smallest - 1e-9 and self._corrected(est, folded=True) >= folded - 1e-9:
                 return (f"predicted {need:.1f} GB >= {smallest:.1f} GB of a configuration that already ran "
                         f"out of memory")
@@ -726,9 +761,9 @@ class MemoryModel:
             log.warning("memory: ignoring measured %.1f GB against an estimate of %.1f GB (ratio %.2f is "
                         "implausible; wrong unit?)", measured_peak_gb, est.allocated_gb, ratio)
             return
-        x = self._x(est)
+        x = self._xl(est)
         self._miss(float(measured_peak_gb), float(x @ self._w), math.sqrt(max(float(x @ self._cov @ x), 0.0)))
-        self._measured.append((self._x(est), float(measured_peak_gb)))
+        self._measured.append((est, float(measured_peak_gb)))
         footprint = float(measured_peak_gb)  # reserved >= allocated: without it, a looser proof
         if reserved_gb is not None and 1.0 <= reserved_gb / measured_peak_gb <= 2.0:
             self._frag.append((est.full_recompute, reserved_gb / measured_peak_gb))
@@ -851,7 +886,7 @@ class MemoryModel:
         self._oom.append(est)
         self._oom_at.append((layout, vit_checkpointing))
         need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
-        x = self._x(est)
+        x = self._xl(est)
         scale = 1 + self._fragmentation(est)
         self._miss(need, self._corrected(est), scale * math.sqrt(max(float(x @ self._cov @ x), 0.0)), at_least=True)
         self._bounds.append((est, need))
