@@ -498,7 +498,6 @@ class MemoryModel:
         self._ok: list[MemoryEstimate] = []  # what ran
         # what ran and printed both its peaks: (estimate, layout, max allocated, max reserved, tag)
         self._held: list[tuple[MemoryEstimate, Layout, float, float, object]] = []
-        self._oom: list[MemoryEstimate] = []  # what ran out of memory
         self._oom_at: list[tuple[Layout, bool | None]] = []  # ... as (layout, ViT checkpointing)
         self._growth: tuple[int, float | None] | None = None  # (observations it was computed on, bound_growth)
         self._refuted = 0.0  # the largest growth a bound-proven run that ran out of memory refuted
@@ -531,7 +530,7 @@ class MemoryModel:
     @property
     def ooms(self) -> int:
         """Configurations observed to run out of memory in this study."""
-        return len(self._oom)
+        return len(self._bounds)
 
     def estimate(self, layout: Layout, vit_checkpointing: bool | None = None) -> MemoryEstimate | None:
         """The uncorrected estimate of `layout` for this study's model (None: the shape is too unknown)."""
@@ -572,12 +571,16 @@ class MemoryModel:
         MoE parallel folding, `MemoryEstimate.expert_folding`)? Chosen by the evidence (`_fit`)."""
         return self._folds
 
-    def _xl(self, est: MemoryEstimate) -> np.ndarray:
-        """The components under the law of expert splitting the evidence favours (`folds`)."""
-        return self._x_folded(est) if self._folds else self._x(est)
+    def _xl(self, est: MemoryEstimate, folded: bool | None = None) -> np.ndarray:
+        """The components under a law of expert splitting: `folded`, else the one the evidence favours (`folds`)."""
+        return self._x_folded(est) if (self._folds if folded is None else folded) else self._x(est)
+
+    def _fitted_sd(self, x: np.ndarray) -> float:
+        """1 sd of the learned allocated GB of components `x`, from the multipliers' posterior."""
+        return math.sqrt(max(float(x @ self._cov @ x), 0.0))
 
     def _corrected(self, est: MemoryEstimate, folded: bool | None = None) -> float:
-        x = self._x_folded(est) if (self._folds if folded is None else folded) else self._x(est)
+        x = self._xl(est, folded)
         return self._fixed(est) + (1 + self._fragmentation(est)) * float(x @ self._w)
 
     @classmethod
@@ -608,11 +611,10 @@ class MemoryModel:
         to [W_MIN, W_MAX], still cannot explain, in sd of its bound. An unexplained OOM is not made
         up by scaling every component (that contradicts every run that fit); it is evidence against
         the law, and `_oom_reason` judges by it directly."""
-        design = self._x_folded if fold else self._x
         n = len(COMPONENTS)
         prior = np.full(n, 1 / COMPONENT_SD ** 2)
         A, b = np.diag(prior), prior.copy()
-        X = np.array([design(e) for e, _ in self._measured]).reshape(len(self._measured), n)
+        X = np.array([self._xl(e, fold) for e, _ in self._measured]).reshape(len(self._measured), n)
         y = np.array([v for _, v in self._measured])
         sd = np.maximum(MEASURED_SD * y, 1e-3)
         if self._measured:
@@ -620,7 +622,7 @@ class MemoryModel:
             b = b + (X / sd[:, None] ** 2).T @ y
         # in allocated terms: what the allocator must have handed out for the total to exceed the need
         # (converted now, with what is known now of the non-PyTorch part and the fragmentation)
-        C = np.array([design(e) for e, _ in self._bounds]).reshape(len(self._bounds), n)
+        C = np.array([self._xl(e, fold) for e, _ in self._bounds]).reshape(len(self._bounds), n)
         d = np.array([(need - self._fixed(e)) / (1 + self._fragmentation(e)) for e, need in self._bounds])
         w = np.clip(_bounded_least_squares(A, b, C, d), W_MIN, W_MAX)
         misfit = float((((w - 1) / COMPONENT_SD) ** 2).sum() + (((y - X @ w) / sd) ** 2).sum())
@@ -640,7 +642,7 @@ class MemoryModel:
 
     def _sd(self, est: MemoryEstimate) -> float:
         x = self._xl(est)
-        fitted = (1 + self._fragmentation(est)) * math.sqrt(max(float(x @ self._cov @ x), 0.0))
+        fitted = (1 + self._fragmentation(est)) * self._fitted_sd(x)
         return math.hypot(fitted, self.model_error * self._corrected(est))
 
     @property
@@ -711,7 +713,7 @@ class MemoryModel:
         # (`expert_folding`): an OOM at TP 8 / expert TP 2 whose expert activations a folding trainer holds
         # 4x of says nothing of TP 1 / expert TP 1 by the unfolded estimate alone.
         x, xf = self._x(est), self._x_folded(est)
-        for bad in self._oom:
+        for bad, _ in self._bounds:
             # ...and clearly more in total: fragmentation differs between configurations (full recompute,
             # MoE token counts), so one a hair above an OOM may still fit; the learned rules judge those
             # (recomputing otherwise, the allocator fragments otherwise: the reservation as learned decides,
@@ -722,7 +724,7 @@ class MemoryModel:
                 return (f"needs at least as much of every memory component as a configuration that already "
                         f"ran out of memory ({self._corrected(bad):.1f} GB learned)")
         need = self._corrected(est)
-        if self._oom:
+        if self._bounds:
             # (an OOM the fit cannot explain is held at what it proved it needed, not at its prediction: the
             # ranking says nothing beyond the GPU's size where the model missed that run)
             smallest = min(max(self._corrected(e), need) for e, need in self._bounds)
@@ -762,7 +764,7 @@ class MemoryModel:
                         "implausible; wrong unit?)", measured_peak_gb, est.allocated_gb, ratio)
             return
         x = self._xl(est)
-        self._miss(float(measured_peak_gb), float(x @ self._w), math.sqrt(max(float(x @ self._cov @ x), 0.0)))
+        self._miss(float(measured_peak_gb), float(x @ self._w), self._fitted_sd(x))
         self._measured.append((est, float(measured_peak_gb)))
         footprint = float(measured_peak_gb)  # reserved >= allocated: without it, a looser proof
         if reserved_gb is not None and 1.0 <= reserved_gb / measured_peak_gb <= 2.0:
@@ -883,12 +885,11 @@ class MemoryModel:
         growth = self.bound_growth
         if growth is not None and self._proves(layout, vit_checkpointing, growth):
             self._refuted = max(self._refuted, growth)
-        self._oom.append(est)
         self._oom_at.append((layout, vit_checkpointing))
         need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
         x = self._xl(est)
         scale = 1 + self._fragmentation(est)
-        self._miss(need, self._corrected(est), scale * math.sqrt(max(float(x @ self._cov @ x), 0.0)), at_least=True)
+        self._miss(need, self._corrected(est), scale * self._fitted_sd(x), at_least=True)
         self._bounds.append((est, need))
         self._fit()
 
