@@ -626,3 +626,27 @@ def test_heuristic_measures_the_layouts_next_to_the_best_before_it_stops(neighbo
         assert tested and all(lay(o.candidate) not in {lay(p.candidate) for p in runs[:runs.index(o)]} for o in tested)
     else:
         assert missing and not tested
+
+
+@pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
+def test_heuristic_runs_the_bests_tests_before_it_risks_the_last_oom(last_oom_risk):
+    # On a trainer needing 1.4x the estimate's memory, with physics the prior lacks (stand-in), the first run
+    # runs out of memory. With one OOM left in max_ooms=2, the search's next pick carries ~29 % risk of
+    # running out: after a second OOM only proven fits run, and the layouts next to the best (where such a
+    # trainer hides its optimum) would be out of reach. So the best's own tests -- its other recompute
+    # granularity, its one-step neighbours -- run first, each at no more than `last_oom_risk`, and say why;
+    # last_oom_risk=1 turns the rule off.
+    job = make_job("heuristic", shape=BIG, sim=("--sim-flavour=stand_in", *HUNGRY),
+                   extra=(f"strategy.last_oom_risk={last_oom_risk}",))
+    loop, _ = study(job, 40)
+    runs = launched(loop)
+    first = [o for o in runs if "before the last OOM max_ooms=2 allows is risked" in o.why]
+    if last_oom_risk == 1.0:
+        assert not first
+        return
+    assert len(first) >= 2, [o.why for o in runs]
+    ooms = [o.trial_number for o in runs if o.kind == "oom"]
+    for o in first:
+        assert o.why.startswith("test, don't assume") and o.ok
+        assert sum(n < o.trial_number for n in ooms) == 1  # made with exactly one OOM left
+    assert len(ooms) <= 2

@@ -38,7 +38,9 @@ How it chooses (each launch says which of these made it):
    one TP / PP / CP / EP step (x2 or /2) from the best layout that no run measured is measured once, its
    variant of highest prior x (1 - OOM risk) that may be launched (`neighbours` per study): a trainer
    whose law the prior lacks (an all-to-all that leaves the node once CP x EP does) hides its optimum
-   next to the best, where a confident prediction is no measurement.
+   next to the best, where a confident prediction is no measurement. These tests run earlier, at no more
+   than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at a higher
+   risk: after it, only proven fits run, and a neighbour no run that fit proves is out of reach.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
    straggler slowed (`record.central`: within 10 % of its fastest run). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
@@ -132,7 +134,7 @@ class HeuristicStrategy(Strategy):
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
                  oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 12, noise: float = 0.02,
-                 explore_layouts: int = 4, neighbours: int = 6):
+                 explore_layouts: int = 4, neighbours: int = 6, last_oom_risk: float = 0.25):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -153,14 +155,17 @@ class HeuristicStrategy(Strategy):
         self.probe_reach = float(probe_reach)  # ... only up to capacity x (1 + this) predicted
         self.probe_gain = float(probe_gain)  # ... and only when predicted to beat the best by this much
         self.probe_risk = float(probe_risk)  # ... and not when the learned memory model all but rules it out
-        if max_ooms < 0 or not 0 < oom_risk <= 1:
-            raise ValueError(f"max_ooms={max_ooms} (>= 0) or oom_risk={oom_risk} (0..1, 0.25: one launch in four "
-                             f"may run out of memory) is out of range")
+        if max_ooms < 0 or not 0 < oom_risk <= 1 or not 0 < last_oom_risk <= 1:
+            raise ValueError(f"max_ooms={max_ooms} (>= 0), oom_risk={oom_risk} or last_oom_risk={last_oom_risk} "
+                             f"(0..1, 0.25: one launch in four may run out of memory) is out of range")
         # Launches out of memory a study may spend: once the study has seen one, the memory model has been
         # shown optimistic near the limit, and a launch must carry at most `oom_risk` of running out;
         # once it has seen `max_ooms`, only what is all but certain to fit (RISK_DONE) is launched.
         self.max_ooms = int(max_ooms)
         self.oom_risk = float(oom_risk)
+        # A launch that could spend the last of them carries at most this risk while the best's own tests (its
+        # other recompute granularity, its one-step neighbours) can still run at no more (`_before_last_oom`).
+        self.last_oom_risk = float(last_oom_risk)
         if repeats < 0 or not 0 <= noise < 0.5:
             raise ValueError(f"repeats={repeats} (>= 0) or noise={noise} (0..0.5, 0.02: runs of one candidate "
                              f"differ by about 2 %) is out of range")
@@ -417,6 +422,9 @@ class HeuristicStrategy(Strategy):
                    f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}{learned}{contradicted}) could beat best "
                    f"{self._shown(target)}")
             if fits:
+                first = self._before_last_oom(cand, best, tried, reps)
+                if first is not None:
+                    return first
                 self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
@@ -428,8 +436,10 @@ class HeuristicStrategy(Strategy):
                     probe = (worth, Proposal(dict(cand), probe_memory=True,
                                              why=f"memory probe: {why}, though {mem}; {100 * r:.0f} % risk of "
                                                  f"running out of memory for the best expected gain per risk"))
-        found = self._granularity_check(best, tried, reps) or self._neighbour(best, tried, reps) or \
-            (probe[1] if probe else None) or self._unmeasured_layout(tried, reps)
+        # the best's own tests, those that could not spend the last OOM at more than `last_oom_risk` first
+        found = (self._one_oom_left() and self._bests_tests(best, tried, reps, self.last_oom_risk)) or \
+            self._bests_tests(best, tried, reps) or (probe[1] if probe else None) or \
+            self._unmeasured_layout(tried, reps)
         if found is not None:
             return found
         return self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
@@ -661,7 +671,36 @@ class HeuristicStrategy(Strategy):
                             f"memory, so the least memory ({gb:.0f} GB) of what may fit; {self._layout_note(cand)}")
         return None
 
-    def _granularity_check(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome]) -> Proposal | None:
+    def _before_last_oom(self, cand: dict, best: Outcome, tried: set[tuple],
+                         reps: dict[tuple, Outcome]) -> Proposal | None:
+        """The last OOM `max_ooms` allows is not risked (above `last_oom_risk`) while the best's own tests --
+        its other recompute granularity, the layouts one step from it -- can run at no more risk: after that
+        OOM only proven fits run, and the layout next to the best, where a trainer the prior misjudges hides
+        its optimum, would then be out of reach whenever no run that fit proves it fits."""
+        if not self._one_oom_left():
+            return None
+        risk = self._risk(cand)[0]
+        if risk <= self.last_oom_risk:
+            return None
+        test = self._bests_tests(best, tried, reps, self.last_oom_risk)
+        if test is None:
+            return None
+        at = " ".join(f"{k}={cand[k]}" for k in (*LAYOUT_KEYS, "mbs") if cand.get(k) is not None)
+        return replace(test, why=f"{test.why}; first, before the last OOM max_ooms={self.max_ooms} allows is risked "
+                                 f"({100 * risk:.0f} %) on {at} {_rec_desc(cand)}")
+
+    def _one_oom_left(self) -> bool:
+        """The next OOM would spend the last `max_ooms` allows."""
+        return self.max_ooms > 0 and \
+            sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM) == self.max_ooms - 1
+
+    def _bests_tests(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
+                     max_risk: float = 1.0) -> Proposal | None:
+        """Test, don't assume: the best layout's other recompute granularity, then its one-step neighbours."""
+        return self._granularity_check(best, tried, reps, max_risk) or self._neighbour(best, tried, reps, max_risk)
+
+    def _granularity_check(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
+                           max_risk: float = 1.0) -> Proposal | None:
         """Test, don't assume: the best layout is also measured with full recompute when it won without
         it, and without full recompute when it won with it (some trainers make full the faster)."""
         if not self.test_both_granularities:
@@ -675,13 +714,14 @@ class HeuristicStrategy(Strategy):
                    and (c.get("recompute_granularity") == "full") != full and c.get("mbs") == b.get("mbs")]
         for i in sorted(options, key=lambda i: -self._prior[i]):
             cand = self._pool[i]
-            if self._ruled_out(cand, reps) or not self._fits(cand, self.fit)[0]:
+            if self._ruled_out(cand, reps) or not self._fits(cand, self.fit)[0] or self._risk(cand)[0] > max_risk:
                 continue
             return Proposal(dict(cand), why=f"test, don't assume: recompute {_rec_desc(cand)} on the best layout "
                             f"(trial {best.trial_number} won with {_rec_desc(b)})")
         return None
 
-    def _neighbour(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome]) -> Proposal | None:
+    def _neighbour(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
+                   max_risk: float = 1.0) -> Proposal | None:
         """Test, don't assume: before stopping, each layout one parallel size away from the best layout's
         (TP, PP, CP or EP halved or doubled) that no run measured is measured once, its variant with the
         highest prior that may be launched first (`neighbours` such launches per study). A trainer whose
@@ -704,9 +744,10 @@ class HeuristicStrategy(Strategy):
         # (prior x (1 - risk)): an OOM there would spend the study's `max_ooms` and teach nothing of speed
         options = [i for i, c in enumerate(self._pool) if _lay(c, vp=False) in steps and _lay(c, vp=False) not in measured
                    and self._keys[i] not in tried]
-        for i in sorted(options, key=lambda i: -self._prior[i] * (1 - self._risk(self._pool[i])[0])):
+        risk = {i: self._risk(self._pool[i])[0] for i in options}
+        for i in sorted(options, key=lambda i: -self._prior[i] * (1 - risk[i])):
             cand = self._pool[i]
-            if self._ruled_out(cand, reps):
+            if risk[i] > max_risk or self._ruled_out(cand, reps):
                 continue
             fits, mem = self._fits(cand, self.fit)
             if fits:
