@@ -436,13 +436,15 @@ class HeuristicStrategy(Strategy):
                     probe = (worth, Proposal(dict(cand), probe_memory=True,
                                              why=f"memory probe: {why}, though {mem}; {100 * r:.0f} % risk of "
                                                  f"running out of memory for the best expected gain per risk"))
-        # the best's own tests, those that could not spend the last OOM at more than `last_oom_risk` first
-        found = (self._one_oom_left() and self._bests_tests(best, tried, reps, self.last_oom_risk)) or \
-            self._bests_tests(best, tried, reps) or (probe[1] if probe else None) or \
-            self._unmeasured_layout(tried, reps)
-        if found is not None:
-            return found
-        return self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
+        found = self._before_stopping(best, tried, reps, probe[1] if probe else None)
+        return found or self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
+
+    def _before_stopping(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
+                         probe: Proposal | None) -> Proposal | None:
+        """When nothing the screen allows could beat the best: the best's own tests (those that could not
+        spend the last OOM at more than `last_oom_risk` first), the memory probe, the layouts never measured."""
+        return (self._one_oom_left() and self._bests_tests(best, tried, reps, self.last_oom_risk)) or \
+            self._bests_tests(best, tried, reps) or probe or self._unmeasured_layout(tried, reps)
 
     def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
         """Per candidate, sqrt(share of its parallel sizes, alone and in pairs, that no measured run has)."""
