@@ -147,7 +147,7 @@ def test_a_study_says_up_front_how_many_launches_may_run_out_of_memory():
 
     assert memory_limits(make_job("grid")) == ("memory: at most 2 launches may run out of memory (max_ooms), none "
                                                "past the memory screen; after that only what a run that fit proves fits")
-    assert "at most 2 launches may run out of memory (max_ooms), 1 of them past the memory screen (memory probes)" \
+    assert "at most 2 launches may run out of memory (max_ooms), 2 of them past the memory screen (memory probes)" \
         in memory_limits(make_job("heuristic"))
     assert "at most 1 launch may run out of memory (max_ooms), 1 of them past" in \
         memory_limits(make_job("staged_blackbox", extra=("max_ooms=1",)))

@@ -30,9 +30,10 @@ How it chooses (each launch says which of these made it):
    NOVEL_RISK of running out once its doubt is widened by NOVEL_MEMORY_SD (RISK_DONE where that split ran
    out of memory and never fit): `max_ooms` is spent where runs showed how this trainer uses memory; a
    larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
-   crashed. When nothing the screen allows could beat the best, one budgeted memory probe
+   crashed. When nothing the screen allows could beat the best, a budgeted memory probe
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
-   among those the learned memory model gives at most `probe_risk` of running out.
+   among those the learned memory model gives at most `probe_risk` of running out; a second probe (or
+   one after an OOM) only while an OOM of `max_ooms` is left and after everything else (step 5, 7).
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster; and each layout
    one TP / PP / CP / EP step (x2 or /2) from the best layout that no run measured is measured once, its
@@ -132,7 +133,7 @@ class HeuristicStrategy(Strategy):
     confirms_best = True  # its repeats (`repeats`) confirm a best the noise could have decided
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
-                 memory_probes: int = 1, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
+                 memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
                  oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 12, noise: float = 0.02,
                  explore_layouts: int = 4, neighbours: int = 6, last_oom_risk: float = 0.25):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
@@ -295,7 +296,7 @@ class HeuristicStrategy(Strategy):
         if novel and risk > novel[1]:
             return False, (f"{gb:.0f}/{cap:g} GB on {novel[0]}: a {100 * risk:.0f} % risk of running out of "
                            f"memory, above {100 * novel[1]:g} % where no run measured this trainer's memory")
-        ooms = sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
+        ooms = self._ooms()
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
             if ooms >= self.max_ooms and any(o.ok for o in self.history):
@@ -442,9 +443,14 @@ class HeuristicStrategy(Strategy):
     def _before_stopping(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
                          probe: Proposal | None) -> Proposal | None:
         """When nothing the screen allows could beat the best: the best's own tests (those that could not
-        spend the last OOM at more than `last_oom_risk` first), the memory probe, the layouts never measured."""
+        spend the last OOM at more than `last_oom_risk` first), the memory probe, the layouts never measured.
+        A second probe, or one after an OOM, comes last: it may spend the last OOM `max_ooms` allows, after
+        which only proven fits run, so it goes only where nothing else is left to learn and the learned
+        model still predicts a gain past the screen (a first probe that ran out on one split leaves the
+        others untried)."""
+        early, late = (None, probe) if self._ooms() or any(o.probe for o in self.history) else (probe, None)
         return (self._one_oom_left() and self._bests_tests(best, tried, reps, self.last_oom_risk)) or \
-            self._bests_tests(best, tried, reps) or probe or self._unmeasured_layout(tried, reps)
+            self._bests_tests(best, tried, reps) or early or self._unmeasured_layout(tried, reps) or late
 
     def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
         """Per candidate, sqrt(share of its parallel sizes, alone and in pairs, that no measured run has)."""
@@ -641,12 +647,10 @@ class HeuristicStrategy(Strategy):
         return (agree - disagree) / (agree + disagree)
 
     def _probe_ok(self, c: dict) -> bool:
-        """May this candidate, screened only by the memory estimate, be launched as a probe? Once per
-        `memory_probes`, never after an OOM, and only just past the limit (`probe_reach`)."""
-        if self.memory_probes <= 0 or self.max_ooms <= 0:
-            return False
-        launched = [o for o in self.history if o.launched]
-        if sum(1 for o in launched if o.kind == FailureKind.OOM) or \
+        """May this candidate, screened only by the memory estimate, be launched as a probe? Up to
+        `memory_probes` per study, only while `max_ooms` has an OOM left (a probe after an OOM spends the last
+        one: `_before_stopping` runs it last), and only just past the limit (`probe_reach`)."""
+        if self.memory_probes <= 0 or self._ooms() >= self.max_ooms or \
                 sum(1 for o in self.history if o.probe) >= self.memory_probes:
             return False
         gb = self.judge.assess(c).predicted_gb
@@ -691,10 +695,13 @@ class HeuristicStrategy(Strategy):
         return replace(test, why=f"{test.why}; first, before the last OOM max_ooms={self.max_ooms} allows is risked "
                                  f"({100 * risk:.0f} %) on {at} {_rec_desc(cand)}")
 
+    def _ooms(self) -> int:
+        """Launches of this study that ran out of memory."""
+        return sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
+
     def _one_oom_left(self) -> bool:
         """The next OOM would spend the last `max_ooms` allows."""
-        return self.max_ooms > 0 and \
-            sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM) == self.max_ooms - 1
+        return self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
 
     def _bests_tests(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
                      max_risk: float = 1.0) -> Proposal | None:
