@@ -653,6 +653,26 @@ def test_heuristic_measures_the_layouts_next_to_the_best_before_it_stops(neighbo
         assert missing and not tested
 
 
+def test_an_moe_best_with_expert_tp_has_tp_neighbours():
+    # Expert TP may not exceed TP: the layout one TP step below a best with TP 2 / expert TP 2 cannot keep
+    # expert TP 2, so its TP neighbour is TP 1 with whatever expert TP runs there. Before, the step kept
+    # expert TP, matched no candidate, and an MoE best with expert TP 2+ had no TP neighbour at all.
+    job = make_job("heuristic", shape=MOE, gpu="a100-80g", extra=("strategy.neighbours=20",))
+    loop, _ = study(job, 3)
+    s = job.strategy
+    best = next(o for o in launched(loop) if o.ok)
+    b = next(c for c in s._pool if (c["tp"], c["pp"], c["cp"], c["ep"], c["etp"]) == (2, 1, 1, 2, 2))
+    best = dataclasses.replace(best, candidate=dict(b))
+    s._pending, steps = [], []
+    while (p := s._neighbour(best, set(), {})) is not None:
+        s._pending.append(p.fixed)
+        steps.append((p.fixed["tp"], p.fixed["pp"], p.fixed["cp"], p.fixed["ep"], p.fixed["etp"]))
+        assert p.why.startswith("test, don't assume: a neighbour"), p.why
+    assert (1, 1, 1, 2, 1) in steps, steps  # tp 2->1: expert TP 2 cannot run on TP 1
+    assert {(4, 1, 1, 2, 2), (2, 2, 1, 2, 2), (2, 1, 1, 1, 2), (2, 1, 1, 4, 2)} <= set(steps), steps
+    assert len(steps) == len(set((t, p, c, e) for t, p, c, e, _ in steps)), steps  # each step measured once
+
+
 @pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
 def test_heuristic_runs_the_bests_tests_before_it_risks_the_last_oom(last_oom_risk):
     # On a trainer needing 1.4x the estimate's memory, with physics the prior lacks (stand-in), the first run

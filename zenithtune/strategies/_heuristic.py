@@ -36,10 +36,11 @@ How it chooses (each launch says which of these made it):
    one after an OOM) only while an OOM of `max_ooms` is left and after everything else (step 5, 7).
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster; and each layout
-   one TP / PP / CP / EP step (x2 or /2) from the best layout that no run measured is measured once, its
-   variant of highest prior x (1 - OOM risk) that may be launched (`neighbours` per study): a trainer
-   whose law the prior lacks (an all-to-all that leaves the node once CP x EP does) hides its optimum
-   next to the best, where a confident prediction is no measurement. These tests run earlier, at no more
+   one TP / PP / CP / EP step (x2 or /2) from the best layout that no run measured is measured once (any
+   expert TP where the step cannot keep the best's), its variant of highest prior x (1 - OOM risk) that
+   may be launched (`neighbours` per study): a trainer whose law the prior lacks (an all-to-all that
+   leaves the node once CP x EP does) hides its optimum next to the best, where a confident prediction
+   is no measurement. These tests run earlier, at no more
    than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at a higher
    risk: after it, only proven fits run, and a neighbour no run that fit proves is out of reach.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
@@ -117,6 +118,11 @@ CONFIRM_RUNS = 4
 def _lay(c: dict, vp: bool = True) -> tuple:
     """The layout a candidate runs (its virtual pipeline size included unless `vp` is False)."""
     return tuple(c.get(k) for k in LAYOUT_KEYS if vp or k != "vp")
+
+
+def _sizes(c: dict) -> tuple:
+    """A layout's TP, PP, CP and EP sizes, whatever its expert TP and virtual pipeline size."""
+    return ("sizes", c.get("tp"), c.get("pp"), c.get("cp"), c.get("ep"))
 
 
 def _split(c: dict) -> tuple:
@@ -739,6 +745,10 @@ class HeuristicStrategy(Strategy):
         if sum(1 for o in self.history if (o.why or "").startswith(NEIGHBOUR_WHY)) >= self.neighbours:
             return None
         b = best.candidate
+        # A step keeps expert TP where the stepped layout can run it; where it cannot (expert TP above the
+        # halved TP, or an expert grid it does not divide), the step is to the parallel sizes with any
+        # expert TP: else an MoE best with expert TP 2+ has no TP neighbour at all.
+        exact = {_lay(c, vp=False) for c in self._pool}
         steps: dict[tuple, str] = {}
         for k in ("tp", "pp", "cp", "ep"):
             v = b.get(k)
@@ -746,12 +756,14 @@ class HeuristicStrategy(Strategy):
                 continue
             for n in (v // 2, 2 * v):
                 if n >= 1 and n != v:
-                    steps.setdefault(_lay({**b, k: n}, vp=False), f"{k} {v}->{n}")
-        measured = {_lay(o.candidate, vp=False) for o in self.history if o.launched} | \
-            {_lay(c, vp=False) for c in self._pending}
+                    lay = _lay({**b, k: n}, vp=False)
+                    steps.setdefault(lay if lay in exact else _sizes({**b, k: n}), f"{k} {v}->{n}")
+        step_of = lambda c: _lay(c, vp=False) if _lay(c, vp=False) in steps else _sizes(c)  # noqa: E731
+        ran = [o.candidate for o in self.history if o.launched] + list(self._pending)
+        measured = {_lay(c, vp=False) for c in ran} | {_sizes(c) for c in ran}
         # of each such layout, the variant worth most once the risk of running out of memory is priced in
         # (prior x (1 - risk)): an OOM there would spend the study's `max_ooms` and teach nothing of speed
-        options = [i for i, c in enumerate(self._pool) if _lay(c, vp=False) in steps and _lay(c, vp=False) not in measured
+        options = [i for i, c in enumerate(self._pool) if step_of(c) in steps and step_of(c) not in measured
                    and self._keys[i] not in tried]
         risk = {i: self._risk(self._pool[i])[0] for i in options}
         for i in sorted(options, key=lambda i: -self._prior[i] * (1 - risk[i])):
@@ -760,8 +772,7 @@ class HeuristicStrategy(Strategy):
                 continue
             fits, mem = self._fits(cand, self.fit)
             if fits:
-                lay = _lay(cand, vp=False)
-                return Proposal(dict(cand), why=f"{NEIGHBOUR_WHY}: layout {self._layout_note(cand)}, {steps[lay]} "
+                return Proposal(dict(cand), why=f"{NEIGHBOUR_WHY}: layout {self._layout_note(cand)}, {steps[step_of(cand)]} "
                                 f"from the best layout (trial {best.trial_number}), never measured; {mem}")
         return None
 
