@@ -171,12 +171,24 @@ class StudyResult:
 EXTRA_OVERRIDES: list[str] = []  # --override: more Hydra overrides for every job (e.g. memory_safety_margin=0.1)
 
 
+def _applies(override: str, strategy: str) -> bool:
+    """A `strategy.X=...` override is for the strategies that have a setting X: the sweep's grid has
+    none of the heuristic's, and `--override strategy.neighbours=0` must not stop it."""
+    key = override.lstrip("+~").split("=", 1)[0]
+    if not key.startswith("strategy."):
+        return True
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(ROOT / "conf" / "strategy" / f"{strategy}.yaml")
+    return key.split(".", 1)[1] in conf
+
+
 def make_job(sc: Scenario, strategy: str, seed: int | None, n_trials: int) -> Job:
     from hydra import compose, initialize_config_module
     from omegaconf import open_dict
 
     overrides = [f"n_gpus={sc.n_gpus}", f"gbs={sc.gbs}", f"strategy={strategy}", f"n_trials={n_trials}",
-                 f"sim_gpu={sc.gpu}", *EXTRA_OVERRIDES]
+                 f"sim_gpu={sc.gpu}", *(o for o in EXTRA_OVERRIDES if _applies(o, strategy))]
     if seed is not None:
         overrides.append(f"strategy.seed={seed}")
     with initialize_config_module("zenithtune.conf"):
@@ -493,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run grid through the study loop too (minutes: thousands of trials) instead of "
                          "reading its row off the exhaustive sweep")
     ap.add_argument("--override", action="append", default=[],
-                    help="a Hydra override for every study, e.g. --override memory_safety_margin=0.1")
+                    help="a Hydra override for every study, e.g. --override memory_safety_margin=0.1; "
+                         "strategy.X=... only for the strategies that have X")
     ap.add_argument("--json", type=Path, default=None, help="also dump every study's numbers as JSON here")
     args = ap.parse_args(argv)
     if args.parallel:
