@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from fixtures.filling_disk import FillingDisk  # tests/ is on sys.path under pytest
 
+from zenithtune import signals
 from zenithtune.processes import kill_leftovers
 from zenithtune.run import FailureKind, RunResult, classify, command_problem, run
 
@@ -100,19 +101,50 @@ def test_ctrl_c_kills_the_group_and_returns(tmp_path: Path) -> None:
             sent.set()
             signal.pthread_kill(main, signal.SIGINT)
 
-    # Python's own Ctrl-C (KeyboardInterrupt), whatever handler an earlier test of the session left behind:
-    # in the full CI run the SIGINT was lost and the tree ran to its 20 s timeout (-15)
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        res = run([sys.executable, TREE], log_path=tmp_path / "log.txt", timeout=20, grace=0.3, on_line=on_line)
-    finally:
-        signal.signal(signal.SIGINT, before)
+    # As the front ends run it: inside signals.handled(), polling signals.pending(). Python raises Ctrl-C's
+    # KeyboardInterrupt at the main thread's next bytecode, which can be a finalizer the garbage collector
+    # runs; there it cannot get out and is lost ("Exception ignored"), and in the full CI run (a session
+    # full of sqlalchemy garbage) the tree then ran to its 20 s timeout (-15). handled() holds such a stop
+    # and the runner's `stop` poll acts on it.
+    with signals.handled():
+        res = run([sys.executable, TREE], log_path=tmp_path / "log.txt", timeout=20, grace=0.3, on_line=on_line,
+                  stop=signals.pending)
+        signals.acknowledge()
     assert sent.is_set(), res.output
     tree = pids(res.output)
     assert set(tree) == {"leader", "worker", "grandchild"}, res.output
     assert res.interrupted and not res.timed_out
     assert not any(alive(p) for p in tree.values())
     assert classify(res) == (FailureKind.INTERRUPTED, "interrupted (Ctrl-C); process group killed")
+
+
+def test_ctrl_c_landing_in_a_finalizer_still_kills_the_group(tmp_path: Path) -> None:
+    # Python runs Ctrl-C's handler at the main thread's next bytecode. When that bytecode belongs to a
+    # finalizer the garbage collector runs, the KeyboardInterrupt cannot get out: Python prints
+    # "Exception ignored" and the Ctrl-C is gone. Here the SIGINT is sent from inside such a finalizer,
+    # once the tree is up; handled() holds it, and the runner's poll of signals.pending() kills the group.
+    ready = threading.Event()
+
+    class Garbage:
+        def __del__(self) -> None:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            sum(range(1000))  # bytecode for the handler to run in
+
+    def enough() -> None:  # polled by the main thread while the command runs
+        if ready.is_set() and not getattr(enough, "done", False):
+            enough.done = True  # type: ignore[attr-defined]
+            Garbage()  # collected at once: its finalizer runs here, in the main thread
+        return None
+
+    with signals.handled():
+        res = run([sys.executable, TREE], log_path=tmp_path / "log.txt", timeout=20, grace=0.3,
+                  on_line=lambda line: ready.set() if "grandchild ready" in line else None,
+                  stop=signals.pending, enough=enough)
+        signals.acknowledge()
+    assert getattr(enough, "done", False), res.output
+    tree = pids(res.output)
+    assert res.interrupted and not res.timed_out, res.output
+    assert not any(alive(p) for p in tree.values())
 
 
 def test_missing_command_does_not_raise(tmp_path: Path) -> None:
