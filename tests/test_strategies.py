@@ -462,6 +462,8 @@ def test_heuristic_spends_at_most_max_ooms_on_a_trainer_that_needs_far_more_memo
 # the strategy, the study loop launches at most max_ooms candidates that run out of memory.
 HUNGRY = ("--sim-perturb=" + ",".join(f"{k}=1.4" for k in ("weights", "optimizer", "activations",
                                                                "expert_activations", "logits")),)
+HUNGRY_16 = ("--sim-perturb=" + ",".join(f"{k}=1.6" for k in ("weights", "optimizer", "activations",
+                                                                  "expert_activations", "logits")),)
 BIG = ["--num-layers=16", "--hidden-size=4096", "--ffn-hidden-size=14336", "--num-attention-heads=32",
        "--group-query-attention", "--num-query-groups=8", "--seq-length=4096", "--max-position-embeddings=4096",
        "--vocab-size=32000", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
@@ -608,6 +610,38 @@ def test_heuristic_measures_the_layouts_a_wrong_prior_ranks_low_before_it_stops(
     assert "why: explore: predictions missed by" in res.stdout or "why: test, don't assume: a neighbour" in res.stdout
     best = next(line for line in res.stdout.splitlines() if line.startswith("best:"))
     assert "tp=1 pp=1 cp=1 mbs=4 recompute=none  26.9" in best, best
+
+
+@pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
+def test_staged_keeps_the_last_oom_from_its_memory_safe_layout_runs(monkeypatch, last_oom_risk):
+    # On a trainer needing 1.6x the estimate's memory, with physics the prior lacks (stand-in), the first
+    # layout run at "memory-safe" settings runs out of memory. With one OOM of max_ooms=2 left, a layout
+    # run (stage 1, or stage 2's step to a layout next to the best) may carry at most `last_oom_risk` under
+    # the learned memory model: the loop prunes one above it, says why, and TPE draws another layout
+    # (last_oom_risk=1 turns the rule off: then such a run is launched at a higher risk).
+    seen = []  # (OOMs so far, the judge's risk, the proposal's cap, the screen's verdict) per proposal
+    screen = StudyLoop._screen
+
+    def spy(self, trial, cand, proposal):
+        risk = self.job.assess(cand).oom_risk
+        verdict = screen(self, trial, cand, proposal)
+        seen.append((len(self.job.oom_runs), risk, proposal.max_risk, verdict))
+        return verdict
+
+    monkeypatch.setattr(StudyLoop, "_screen", spy)
+    job = make_job("staged_blackbox", shape=BIG, sim=("--sim-flavour=stand_in", *HUNGRY_16),
+                   extra=(f"strategy.last_oom_risk={last_oom_risk}",))
+    loop, _ = study(job, 40)
+    assert sum(o.kind == "oom" for o in launched(loop)) <= 2
+    capped = [(risk, verdict) for ooms, risk, cap, verdict in seen if cap is not None]  # one OOM was left
+    assert capped and all(ooms == 1 for ooms, _, cap, _ in seen if cap is not None)
+    ran = [risk for risk, verdict in capped if verdict is None]
+    refused = [verdict for risk, verdict in capped if verdict is not None and verdict.rules == ["oom_risk"]]
+    if last_oom_risk < 1:
+        assert ran and max(ran) <= last_oom_risk, ran
+        assert refused and "risk of running out of memory, above the 25 %" in refused[0].reasons[0], refused
+    else:
+        assert not refused and max(ran) > 0.25, ran
 
 
 def test_staged_runs_layouts_without_interleaving_and_tunes_vp_with_the_settings():

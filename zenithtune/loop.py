@@ -336,6 +336,10 @@ class StudyLoop:
         self._unproven = False
         if not broken:
             broken = self._oom_budget(cand)
+        if not broken and proposal.max_risk is not None and verdict.oom_risk > proposal.max_risk:
+            self._unproven = False
+            broken = [("oom_risk", f"{100 * verdict.oom_risk:.0f} % risk of running out of memory, above the "
+                                   f"{100 * proposal.max_risk:.0f} % its strategy allows here")]
         dup = self.measured.get(job.space.key(cand))
         if not broken and dup is not None and proposal.repeat:
             trial.set_user_attr(Attr.REPEAT_OF, dup.trial_number)  # measured again on purpose (noise)

@@ -61,6 +61,10 @@ class Proposal:
     # it as a repeat, and a candidate's score is then the median of its measurements (`Strategy.best`).
     # A repeat is a launch: it counts against n_trials.
     repeat: bool = False
+    # Launch only while the judge gives it at most this risk of running out of memory (None: any risk the
+    # study's screen and OOM budget allow); above it the loop prunes it ("oom_risk") and the sampler
+    # learns so. staged_blackbox keeps the study's last OOM from its memory-safe layout runs this way.
+    max_risk: float | None = None
 
 
 class Strategy(ABC):

@@ -7,7 +7,10 @@ recompute), ViT checkpointing on, and the cheapest recompute the memory model sa
 spare (none, selective, full/block with the fewest layers, else full/uniform), so a layout is not lost
 to an OOM. Only the layout is an Optuna parameter of these trials, so stage 1 does not bias TPE's view
 of MBS, vp or recompute. It lasts `stage1_trials` launches, or
-less when every valid layout has run.
+less when every valid layout has run. When the next OOM would be the last `max_ooms` allows, a
+layout run at memory-safe settings (here and in step 4) may carry at most `last_oom_risk` of running
+out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
+the last OOM only proven fits run, which would keep stage 2 from every setting it has not measured.
 
 Stage 2 ("settings") proposes, in this order, each time it is asked:
 
@@ -85,7 +88,8 @@ NEIGHBOUR_EXTRA_WORK = 0.1
 class StagedBlackboxStrategy(Strategy):
     def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
                  patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
-                 min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1, probe_risk: float = 0.95):
+                 min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1, probe_risk: float = 0.95,
+                 max_ooms: int = 2, last_oom_risk: float = 0.25):
         if int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         if int(top_layouts) < 1:
@@ -96,6 +100,9 @@ class StagedBlackboxStrategy(Strategy):
         if not 0 < probe_risk <= 1:
             raise ValueError(f"probe_risk={probe_risk} must be in (0, 1] (0.95: no probe the learned memory "
                              f"model gives more than a 95 % risk of running out of memory)")
+        if max_ooms < 0 or not 0 < last_oom_risk <= 1:
+            raise ValueError(f"max_ooms={max_ooms} (>= 0) or last_oom_risk={last_oom_risk} (0..1] is out of range "
+                             f"(0.25: a memory-safe layout run that could spend the last OOM carries at most 25 % risk)")
         self.stage1_trials = int(stage1_trials)
         self.top_layouts = int(top_layouts)
         self.seed = seed
@@ -110,6 +117,8 @@ class StagedBlackboxStrategy(Strategy):
         self.layout_steps = int(layout_steps)  # unmeasured layouts next to the best tried in stage 2
         self.mbs_reach = float(mbs_reach)  # layouts this close to the best get their next MBS measured
         self.probe_risk = float(probe_risk)  # ... and not when the learned memory model all but rules it out
+        self.max_ooms = int(max_ooms)  # the study's OOM budget (the loop holds it)
+        self.last_oom_risk = float(last_oom_risk)  # a layout run at memory-safe settings that could spend its last
         self._rng = random.Random(seed)
         self._stage1_done = False
         self._stage2_asked = 0
@@ -167,16 +176,24 @@ class StagedBlackboxStrategy(Strategy):
         if "vit_gradient_checkpointing" in self.space.params:
             base["vit_gradient_checkpointing"] = True
         base.update({n: False for n in SWITCH_PARAMS if n in self.space.params})  # overlap costs memory
-        cap = self.judge.capacity_gb
+        cap, risk = self.judge.capacity_gb, self._safe_risk()
         for rec in sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r})):
             cand = self.space.normalize({**base, **rec})
             a = self.judge.assess(cand)
             if not a.valid:
                 continue
             gb = a.predicted_gb
-            if gb is None or gb <= SAFE_SHARE * cap:
+            if (gb is None or gb <= SAFE_SHARE * cap) and (risk is None or a.oom_risk <= risk):
                 return cand
         return {**base, **RECOMPUTE_LADDER[-1]}
+
+    def _safe_risk(self) -> float | None:
+        """The OOM risk a layout run at memory-safe settings may carry: any (None) while more than one OOM
+        of `max_ooms` is left; `last_oom_risk` when the next OOM would be the last. Such a run is there
+        to measure a layout; once an OOM showed the estimate short of this trainer, the last OOM is kept
+        for the settings of the layouts measured (stage 2), not spent on a layout the learned model doubts."""
+        ooms = sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
+        return self.last_oom_risk if self.max_ooms > 0 and ooms == self.max_ooms - 1 else None
 
     def _untried_layouts(self) -> list[tuple]:
         return [lay for lay in self._by_layout if lay not in self._stage1_layouts]
@@ -337,7 +354,7 @@ class StagedBlackboxStrategy(Strategy):
         self._stepped.add(pick)
         self._layout_steps += 1
         desc = " ".join(f"{k}={v}" for k, v in pick)
-        return Proposal(self._safe_settings(dict(pick)), stage=SETTINGS_STAGE,
+        return Proposal(self._safe_settings(dict(pick)), stage=SETTINGS_STAGE, max_risk=self._safe_risk(),
                         why=f"stage 2, layout next to the best (trial {best.trial_number}): {desc}, the one the "
                         f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
 
@@ -363,9 +380,10 @@ class StagedBlackboxStrategy(Strategy):
                     lay = self._rng.choice(self._untried_layouts())
                     return Proposal(dict(lay), why="stage 1: TPE repeated itself; an untried layout at random, "
                                     "at memory-safe settings", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
-                                    complete=self._safe_settings)
+                                    complete=self._safe_settings, max_risk=self._safe_risk())
                 return Proposal({}, why="stage 1: TPE picks the layout, at memory-safe settings",
-                                stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS, complete=self._safe_settings)
+                                stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS, complete=self._safe_settings,
+                                max_risk=self._safe_risk())
             self._stage1_done = True
             self._streak = 0
         best = self.best()
