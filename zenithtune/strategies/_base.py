@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from zenithtune.record import Outcome, best_of
+from zenithtune.run import FailureKind
 
 if TYPE_CHECKING:
     import optuna
@@ -108,6 +109,10 @@ class Strategy(ABC):
     @abstractmethod
     def ask(self, pending: Sequence[Candidate] = ()) -> Proposal | None:
         """The next proposal (none of `pending`), or None when exhausted."""
+
+    def _ooms(self) -> int:
+        """Launches of this study that ran out of memory."""
+        return sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
 
     def tell(self, outcome: Outcome) -> None:
         self.history.append(outcome)

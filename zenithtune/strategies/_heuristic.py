@@ -701,10 +701,6 @@ class HeuristicStrategy(Strategy):
         return replace(test, why=f"{test.why}; first, before the last OOM max_ooms={self.max_ooms} allows is risked "
                                  f"({100 * risk:.0f} %) on {at} {_rec_desc(cand)}")
 
-    def _ooms(self) -> int:
-        """Launches of this study that ran out of memory."""
-        return sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
-
     def _one_oom_left(self) -> bool:
         """The next OOM would spend the last `max_ooms` allows."""
         return self.max_ooms > 0 and self._ooms() == self.max_ooms - 1

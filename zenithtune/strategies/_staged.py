@@ -48,7 +48,6 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS, SWITCH_PARAMS, settings
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 from zenithtune.validate import candidate_modules
@@ -192,8 +191,7 @@ class StagedBlackboxStrategy(Strategy):
         of `max_ooms` is left; `last_oom_risk` when the next OOM would be the last. Such a run is there
         to measure a layout; once an OOM showed the estimate short of this trainer, the last OOM is kept
         for the settings of the layouts measured (stage 2), not spent on a layout the learned model doubts."""
-        ooms = sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
-        return self.last_oom_risk if self.max_ooms > 0 and ooms == self.max_ooms - 1 else None
+        return self.last_oom_risk if self.max_ooms > 0 and self._ooms() == self.max_ooms - 1 else None
 
     def _untried_layouts(self) -> list[tuple]:
         return [lay for lay in self._by_layout if lay not in self._stage1_layouts]
@@ -224,7 +222,7 @@ class StagedBlackboxStrategy(Strategy):
         """Once per `memory_probes`, never after an OOM, only just past the screen (`probe_reach`) and
         not when the learned memory model all but rules it out (`probe_risk`)."""
         if sum(1 for o in self.history if o.probe) >= self.memory_probes or \
-                any(o.launched and o.kind == FailureKind.OOM for o in self.history):
+                self._ooms() > 0:
             return False
         a = self.judge.assess(c)
         return a.predicted_gb is not None and a.predicted_gb <= self.judge.capacity_gb * (1 + self.probe_reach) \
