@@ -11,6 +11,8 @@ less when every valid layout has run. When the next OOM would be the last `max_o
 layout run at memory-safe settings (here and in step 4) may carry at most `last_oom_risk` of running
 out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
 the last OOM only proven fits run, which would keep stage 2 from every setting it has not measured.
+Once any OOM showed the estimate short of this trainer, such a run takes the layout's memory floor
+(every layer recomputed) rather than the cheapest recompute the estimate says fits.
 
 Stage 2 ("settings") proposes, in this order, each time it is asked:
 
@@ -170,21 +172,30 @@ class StagedBlackboxStrategy(Strategy):
 
     def _safe_settings(self, layout: dict) -> dict:
         """MBS 1, no interleaving (a pipelined candidate without vp runs vp=1: `Space.normalize`), ViT
-        checkpointing, and the cheapest recompute predicted to fit with room to spare."""
+        checkpointing, and the cheapest recompute predicted to fit with room to spare; once a launch ran
+        out of memory, the heaviest recompute the space allows (the layout's memory floor)."""
         base = {**layout, "mbs": 1}
         if "vit_gradient_checkpointing" in self.space.params:
             base["vit_gradient_checkpointing"] = True
         base.update({n: False for n in SWITCH_PARAMS if n in self.space.params})  # overlap costs memory
         cap, risk = self.judge.capacity_gb, self._safe_risk()
-        for rec in sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r})):
-            cand = self.space.normalize({**base, **rec})
-            a = self.judge.assess(cand)
-            if not a.valid:
-                continue
+        ladder = [self.space.normalize({**base, **rec})
+                  for rec in sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r}))]
+        judged = [(c, self.judge.assess(c)) for c in ladder]
+        valid = [(c, a) for c, a in judged if a.valid]
+        if not valid:  # the layout itself cannot run: the loop says why, in the job's own recompute choices
+            return next((c for c, a in judged if "choices" not in {r for r, _ in a.reasons}), ladder[-1])
+        # the layout's memory floor: the heaviest recompute the space allows (every layer recomputed keeps
+        # only the layers' inputs). Once an OOM showed the estimate short of this trainer, a layout is
+        # measured there, whatever the estimate says of the lighter settings; a promotion measures those.
+        floor = valid[-1][0]
+        if self._ooms():
+            return floor
+        for cand, a in valid:
             gb = a.predicted_gb
             if (gb is None or gb <= SAFE_SHARE * cap) and (risk is None or a.oom_risk <= risk):
                 return cand
-        return {**base, **RECOMPUTE_LADDER[-1]}
+        return floor
 
     def _safe_risk(self) -> float | None:
         """The OOM risk a layout run at memory-safe settings may carry: any (None) while more than one OOM
