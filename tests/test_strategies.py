@@ -664,6 +664,29 @@ def test_staged_measures_layouts_at_their_memory_floor_once_an_oom_showed_the_es
     assert all(o.ok for o in after), [(o.candidate, o.kind) for o in after]
 
 
+
+def test_staged_keeps_the_cheapest_safe_recompute_after_an_oom_at_a_layouts_floor():
+    # An OOM at a layout's memory floor (every layer recomputed, MBS 1) says the layout cannot hold its
+    # weights and optimizer state -- no recompute helps it, and what needs more is ruled out by it -- not that
+    # the estimate is short for the settings: stage 1 keeps measuring layouts at the cheapest recompute the
+    # estimate says fits. (On the speed-flavoured Qwen3 study the first OOM was TP1 PP2 CP2 EP2 at its floor.)
+    job = make_job("staged_blackbox", shape=BIG, sim=("--sim-flavour=stand_in", *HUNGRY_16),
+                   extra=("strategy.stage1_trials=12",))
+    loop, _ = study(job, 3)
+    s = job.strategy
+    fit = next(o for o in launched(loop) if o.ok)
+    lay = {k: fit.candidate[k] for k in ("tp", "pp", "cp")}
+    s.history[:] = [o for o in s.history if o.ok]
+    at_floor = {**s._safe_settings(lay), **{"recompute_granularity": "full", "recompute_method": "uniform",
+                                             "recompute_num_layers": 1}}
+    s.history.append(dataclasses.replace(fit, candidate=s.space.normalize(at_floor), state="failed", kind="oom"))
+    assert s._at_floor(s.history[-1].candidate) and not s._short()
+    cheap = s._safe_settings(lay)
+    assert cheap["recompute_granularity"] != "full", cheap
+    above = {**at_floor, "recompute_granularity": "none"}
+    s.history.append(dataclasses.replace(fit, candidate=s.space.normalize(above), state="failed", kind="oom"))
+    assert s._short() and s._safe_settings(lay)["recompute_granularity"] == "full"
+
 def test_staged_layout_runs_keep_to_the_recompute_the_job_allows():
     # A layout that cannot run (TPE samples the layout's sizes alone) is refused for its layout, not for a
     # recompute setting the job does not allow: stage 1 completed it with full/uniform whatever the job

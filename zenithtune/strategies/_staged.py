@@ -11,8 +11,8 @@ less when every valid layout has run. When the next OOM would be the last `max_o
 layout run at memory-safe settings (here and in step 4) may carry at most `last_oom_risk` of running
 out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
 the last OOM only proven fits run, which would keep stage 2 from every setting it has not measured.
-Once any OOM showed the estimate short of this trainer, such a run takes the layout's memory floor
-(every layer recomputed) rather than the cheapest recompute the estimate says fits.
+Once an OOM above a layout's floor showed the estimate short of this trainer, such a run takes the
+layout's memory floor (every layer recomputed) rather than the cheapest recompute the estimate says fits.
 
 Stage 2 ("settings") proposes, in this order, each time it is asked:
 
@@ -50,6 +50,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS, SWITCH_PARAMS, settings
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 from zenithtune.validate import candidate_modules
@@ -189,13 +190,32 @@ class StagedBlackboxStrategy(Strategy):
         # only the layers' inputs). Once an OOM showed the estimate short of this trainer, a layout is
         # measured there, whatever the estimate says of the lighter settings; a promotion measures those.
         floor = valid[-1][0]
-        if self._ooms():
+        if self._short():
             return floor
         for cand, a in valid:
             gb = a.predicted_gb
             if (gb is None or gb <= SAFE_SHARE * cap) and (risk is None or a.oom_risk <= risk):
                 return cand
         return floor
+
+    def _at_floor(self, c: dict) -> bool:
+        """Was `c` run at its layout's memory floor (`_safe_settings` after an OOM)? MBS 1, no
+        interleaving, the heaviest recompute the space allows there."""
+        if c.get("mbs", 1) != 1 or (c.get("vp") or 1) != 1:
+            return False
+        base = {**c, "mbs": 1}
+        ladder = sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r}))
+        for rec in reversed(ladder):
+            cand = self.space.normalize({**base, **rec})
+            if self.judge.assess(cand).valid:
+                return all(c.get(k) == cand.get(k) for k in RECOMPUTE_PARAMS)
+        return False
+
+    def _short(self) -> bool:
+        """Has an OOM shown the estimate short of what this trainer's settings need: a run that ran out
+        of memory above its layout's floor? (One at the floor says the layout cannot hold its weights and
+        optimizer state, which no recompute helps; the OOM's dominance rules out what needs more.)"""
+        return any(o.launched and o.kind == FailureKind.OOM and not self._at_floor(o.candidate) for o in self.history)
 
     def _safe_risk(self) -> float | None:
         """The OOM risk a layout run at memory-safe settings may carry: any (None) while more than one OOM
