@@ -180,12 +180,10 @@ class StagedBlackboxStrategy(Strategy):
             base["vit_gradient_checkpointing"] = True
         base.update({n: False for n in SWITCH_PARAMS if n in self.space.params})  # overlap costs memory
         cap, risk = self.judge.capacity_gb, self._safe_risk()
-        ladder = [self.space.normalize({**base, **rec})
-                  for rec in sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r}))]
-        judged = [(c, self.judge.assess(c)) for c in ladder]
+        judged = [(c, self.judge.assess(c)) for c in self._ladder(base)]
         valid = [(c, a) for c, a in judged if a.valid]
         if not valid:  # the layout itself cannot run: the loop says why, in the job's own recompute choices
-            return next((c for c, a in judged if "choices" not in {r for r, _ in a.reasons}), ladder[-1])
+            return next((c for c, a in judged if "choices" not in {r for r, _ in a.reasons}), judged[-1][0])
         # the layout's memory floor: the heaviest recompute the space allows (every layer recomputed keeps
         # only the layers' inputs). Once an OOM showed the estimate short of this trainer, a layout is
         # measured there, whatever the estimate says of the lighter settings; a promotion measures those.
@@ -198,18 +196,18 @@ class StagedBlackboxStrategy(Strategy):
                 return cand
         return floor
 
+    def _ladder(self, base: dict) -> list[dict]:
+        """`base` with each recompute setting of RECOMPUTE_LADDER, from the least work to the most."""
+        return [self.space.normalize({**base, **rec})
+                for rec in sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r}))]
+
     def _at_floor(self, c: dict) -> bool:
         """Was `c` run at its layout's memory floor (`_safe_settings` after an OOM)? MBS 1, no
         interleaving, the heaviest recompute the space allows there."""
         if c.get("mbs", 1) != 1 or (c.get("vp") or 1) != 1:
             return False
-        base = {**c, "mbs": 1}
-        ladder = sorted(RECOMPUTE_LADDER, key=lambda r: self._work({**base, **r}))
-        for rec in reversed(ladder):
-            cand = self.space.normalize({**base, **rec})
-            if self.judge.assess(cand).valid:
-                return all(c.get(k) == cand.get(k) for k in RECOMPUTE_PARAMS)
-        return False
+        floor = next((f for f in reversed(self._ladder(c)) if self.judge.assess(f).valid), None)
+        return floor is not None and all(c.get(k) == floor.get(k) for k in RECOMPUTE_PARAMS)
 
     def _short(self) -> bool:
         """Has an OOM shown the estimate short of what this trainer's settings need: a run that ran out
