@@ -174,7 +174,8 @@ class StagedBlackboxStrategy(Strategy):
     def _safe_settings(self, layout: dict) -> dict:
         """MBS 1, no interleaving (a pipelined candidate without vp runs vp=1: `Space.normalize`), ViT
         checkpointing, and the cheapest recompute predicted to fit with room to spare; once a launch ran
-        out of memory, the heaviest recompute the space allows (the layout's memory floor)."""
+        out of memory above its layout's floor (`_short`), the heaviest recompute the space allows (the
+        layout's memory floor)."""
         base = {**layout, "mbs": 1}
         if "vit_gradient_checkpointing" in self.space.params:
             base["vit_gradient_checkpointing"] = True
