@@ -110,9 +110,12 @@ class Strategy(ABC):
     def ask(self, pending: Sequence[Candidate] = ()) -> Proposal | None:
         """The next proposal (none of `pending`), or None when exhausted."""
 
-    def _ooms(self) -> int:
+    def _oom_runs(self) -> list[Outcome]:
         """Launches of this study that ran out of memory."""
-        return sum(1 for o in self.history if o.launched and o.kind == FailureKind.OOM)
+        return [o for o in self.history if o.launched and o.kind == FailureKind.OOM]
+
+    def _ooms(self) -> int:
+        return len(self._oom_runs())
 
     def tell(self, outcome: Outcome) -> None:
         self.history.append(outcome)

@@ -50,7 +50,6 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS, SWITCH_PARAMS, settings
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 from zenithtune.validate import candidate_modules
@@ -214,7 +213,7 @@ class StagedBlackboxStrategy(Strategy):
         """Has an OOM shown the estimate short of what this trainer's settings need: a run that ran out
         of memory above its layout's floor? (One at the floor says the layout cannot hold its weights and
         optimizer state, which no recompute helps; the OOM's dominance rules out what needs more.)"""
-        return any(o.launched and o.kind == FailureKind.OOM and not self._at_floor(o.candidate) for o in self.history)
+        return any(not self._at_floor(o.candidate) for o in self._oom_runs())
 
     def _safe_risk(self) -> float | None:
         """The OOM risk a layout run at memory-safe settings may carry: any (None) while more than one OOM
