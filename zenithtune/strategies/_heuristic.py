@@ -40,9 +40,13 @@ How it chooses (each launch says which of these made it):
    expert TP where the step cannot keep the best's), its variant of highest prior x (1 - OOM risk) that
    may be launched (`neighbours` per study): a trainer whose law the prior lacks (an all-to-all that
    leaves the node once CP x EP does) hides its optimum next to the best, where a confident prediction
-   is no measurement. These tests run earlier, at no more
+   is no measurement. Then the trades that keep the model-parallel product (TP / PP / CP: one halved,
+   another doubled), which hold about the same share of the weights per GPU and so may fit where no
+   one-step neighbour does. These tests run earlier, at no more
    than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at a higher
-   risk: after it, only proven fits run, and a neighbour no run that fit proves is out of reach.
+   risk: after it, only proven fits run, and a neighbour no run that fit proves is out of reach. A
+   launch that could spend that last OOM at more than `last_oom_risk` must also be predicted to beat
+   the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
    straggler slowed (`record.central`: within 10 % of its fastest run). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
@@ -419,7 +423,8 @@ class HeuristicStrategy(Strategy):
             if self._ruled_out(cand, reps):
                 ruled += 1
                 continue
-            fits, mem = self._fits(cand, self.fit)
+            r = risk_of[int(j)]
+            fits, mem = self._stake(*self._fits(cand, self.fit), r, float(pred[j]) / target)
             # in the metric's own unit: the prior after the unit change (offset), times what the runs taught
             ratio = math.exp(mean[j] - offset) ** (1 if self.direction == "maximize" else -1)
             scale = f"{ratio:.2f}" if 0.01 <= ratio < 100 else f"{ratio:.3g}"
@@ -435,7 +440,7 @@ class HeuristicStrategy(Strategy):
                 self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
-            r = max(risk_of[int(j)], 0.01)
+            r = max(r, 0.01)
             if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
                 # the probe worth most: expected gain per risk of running out of memory
                 worth = (1 - r) * (pred[j] / target - 1) / r
@@ -701,6 +706,16 @@ class HeuristicStrategy(Strategy):
         return replace(test, why=f"{test.why}; first, before the last OOM max_ooms={self.max_ooms} allows is risked "
                                  f"({100 * risk:.0f} %) on {at} {_rec_desc(cand)}")
 
+    def _stake(self, fits: bool, mem: str, risk: float, gain: float) -> tuple[bool, str]:
+        """`_fits`'s verdict on a launch predicted at `gain` x the best, carrying `risk` of running out of
+        memory: the last OOM `max_ooms` allows is a memory probe's stake (after it only proven fits run),
+        so a launch that could spend it at more than `last_oom_risk` must be predicted, not only hoped by
+        its optimistic bound, to beat the best by `probe_gain`."""
+        if fits and risk > self.last_oom_risk and self._one_oom_left() and gain < 1 + self.probe_gain:
+            return False, (f"{mem}: a {100 * risk:.0f} % risk of spending the last OOM max_ooms={self.max_ooms} "
+                           f"allows, for a predicted gain under {100 * self.probe_gain:g} %")
+        return fits, mem
+
     def _one_oom_left(self) -> bool:
         """The next OOM would spend the last `max_ooms` allows."""
         return self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
@@ -737,7 +752,8 @@ class HeuristicStrategy(Strategy):
         (TP, PP, CP or EP halved or doubled) that no run measured is measured once, its variant with the
         highest prior that may be launched first (`neighbours` such launches per study). A trainer whose
         law the prior lacks (an all-to-all that leaves the node once CP x EP does) hides its optimum
-        exactly there: a prediction, however confident, is not a measurement of the next layout."""
+        exactly there: a prediction, however confident, is not a measurement of the next layout. Once no
+        such layout is left to launch, the trades of one model-parallel size for another (below)."""
         if sum(1 for o in self.history if (o.why or "").startswith(NEIGHBOUR_WHY)) >= self.neighbours:
             return None
         b = best.candidate
@@ -745,31 +761,38 @@ class HeuristicStrategy(Strategy):
         # halved TP, or an expert grid it does not divide), the step is to the parallel sizes with any
         # expert TP: else an MoE best with expert TP 2+ has no TP neighbour at all.
         exact = {_lay(c, vp=False) for c in self._pool}
-        steps: dict[tuple, str] = {}
-        for k in ("tp", "pp", "cp", "ep"):
-            v = b.get(k)
-            if not isinstance(v, int):
-                continue
-            for n in (v // 2, 2 * v):
-                if n >= 1 and n != v:
-                    lay = _lay({**b, k: n}, vp=False)
-                    steps.setdefault(lay if lay in exact else _sizes({**b, k: n}), f"{k} {v}->{n}")
-        step_of = lambda c: _lay(c, vp=False) if _lay(c, vp=False) in steps else _sizes(c)  # noqa: E731
         ran = [o.candidate for o in self.history if o.launched] + list(self._pending)
         measured = {_lay(c, vp=False) for c in ran} | {_sizes(c) for c in ran}
-        # of each such layout, the variant worth most once the risk of running out of memory is priced in
-        # (prior x (1 - risk)): an OOM there would spend the study's `max_ooms` and teach nothing of speed
-        options = [i for i, c in enumerate(self._pool) if step_of(c) in steps and step_of(c) not in measured
-                   and self._keys[i] not in tried]
-        risk = {i: self._risk(self._pool[i])[0] for i in options}
-        for i in sorted(options, key=lambda i: -self._prior[i] * (1 - risk[i])):
-            cand = self._pool[i]
-            if risk[i] > max_risk or self._ruled_out(cand, reps):
-                continue
-            fits, mem = self._fits(cand, self.fit)
-            if fits:
-                return Proposal(dict(cand), why=f"{NEIGHBOUR_WHY}: layout {self._layout_note(cand)}, {steps[step_of(cand)]} "
-                                f"from the best layout (trial {best.trial_number}), never measured; {mem}")
+        sizes: dict[str, int] = {k: b[k] for k in ("tp", "pp", "cp", "ep") if isinstance(b.get(k), int)}
+        one = [((k, v, n),) for k, v in sizes.items() for n in (v // 2, 2 * v) if n >= 1 and n != v]
+        # then trades between the model-parallel sizes that keep their product (TP for PP, CP for PP, ...):
+        # each GPU holds about the same share of the weights, so where every one-step neighbour needs more
+        # memory than fits, a trade may still fit -- and a trainer whose TP or pipeline costs differ from the
+        # prior's puts its optimum there (Megatron users trade TP for PP this way)
+        mp = [k for k in ("tp", "pp", "cp") if k in sizes]
+        trades = [((a, sizes[a], sizes[a] // 2), (c, sizes[c], 2 * sizes[c])) for a in mp for c in mp
+                  if a != c and sizes[a] >= 2]
+        for tier in (one, trades):
+            steps: dict[tuple, str] = {}
+            for step in tier:
+                moved = {**b, **{k: n for k, _, n in step}}
+                lay = _lay(moved, vp=False)
+                steps.setdefault(lay if lay in exact else _sizes(moved), ", ".join(f"{k} {v}->{n}" for k, v, n in step))
+            step_of = lambda c: _lay(c, vp=False) if _lay(c, vp=False) in steps else _sizes(c)  # noqa: E731,B023
+            # of each such layout, the variant worth most once the risk of running out of memory is priced in
+            # (prior x (1 - risk)): an OOM there would spend the study's `max_ooms` and teach nothing of speed
+            options = [i for i, c in enumerate(self._pool) if step_of(c) in steps and step_of(c) not in measured
+                       and self._keys[i] not in tried]
+            risk = {i: self._risk(self._pool[i])[0] for i in options}
+            for i in sorted(options, key=lambda i: -self._prior[i] * (1 - risk[i])):  # noqa: B023
+                cand = self._pool[i]
+                if risk[i] > max_risk or self._ruled_out(cand, reps):
+                    continue
+                fits, mem = self._fits(cand, self.fit)
+                if fits:
+                    return Proposal(dict(cand), why=f"{NEIGHBOUR_WHY}: layout {self._layout_note(cand)}, "
+                                    f"{steps[step_of(cand)]} from the best layout (trial {best.trial_number}), "
+                                    f"never measured; {mem}")
         return None
 
     # --- one line of why ----------------------------------------------------------------------------
