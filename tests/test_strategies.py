@@ -812,6 +812,23 @@ def test_the_last_oom_is_risked_only_on_a_predicted_gain(last_oom_risk):
 
 
 @pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
+def test_with_one_oom_left_the_bests_tests_carry_no_more_than_last_oom_risk(last_oom_risk):
+    # The stake rule above holds for the best's own tests too: with the main path held back, a neighbour
+    # test at any risk took the last OOM instead (the stand-in Llama-3-70B study: a PP 8->4 neighbour at
+    # 78/79.1 GB ran out, and the optimum one CP step away could then not be proven; 0.999 -> 0.954).
+    job = make_job("heuristic", extra=(f"strategy.last_oom_risk={last_oom_risk}",))
+    study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
+    s = job.strategy
+    assert s._ooms() == 1
+    s._risk = lambda c: (0.4, None)
+    reps = s._reps()
+    best = max(reps.values(), key=s._speed)
+    found = s._before_stopping(best, s.tried_keys(()), reps, None)
+    tests = found is not None and found.why.startswith("test, don't assume")
+    assert tests == (last_oom_risk == 1.0), found and found.why
+
+
+@pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
 def test_heuristic_runs_the_bests_tests_before_it_risks_the_last_oom(last_oom_risk):
     # On a trainer needing 1.4x the estimate's memory, with physics the prior lacks (stand-in), the first run
     # runs out of memory. With one OOM left in max_ooms=2, the search's next pick carries ~29 % risk of

@@ -46,7 +46,8 @@ How it chooses (each launch says which of these made it):
    than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at a higher
    risk: after it, only proven fits run, and a neighbour no run that fit proves is out of reach. A
    launch that could spend that last OOM at more than `last_oom_risk` must also be predicted to beat
-   the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it.
+   the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it; and
+   with one OOM left the best's own tests, too, carry no more than `last_oom_risk`.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
    straggler slowed (`record.central`: within 10 % of its fastest run). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
@@ -460,8 +461,8 @@ class HeuristicStrategy(Strategy):
         model still predicts a gain past the screen (a first probe that ran out on one split leaves the
         others untried)."""
         early, late = (None, probe) if self._ooms() or any(o.probe for o in self.history) else (probe, None)
-        return (self._one_oom_left() and self._bests_tests(best, tried, reps, self.last_oom_risk)) or \
-            self._bests_tests(best, tried, reps) or early or self._unmeasured_layout(tried, reps) or late
+        tests = self._bests_tests(best, tried, reps, self.last_oom_risk if self._one_oom_left() else 1.0)
+        return tests or early or self._unmeasured_layout(tried, reps) or late
 
     def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
         """Per candidate, sqrt(share of its parallel sizes, alone and in pairs, that no measured run has)."""
