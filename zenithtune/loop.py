@@ -13,7 +13,7 @@ simulator in-process. Both run this same loop.
 """
 from __future__ import annotations
 
-import statistics
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -37,9 +37,14 @@ __all__ = ["Callbacks", "LaunchFn", "LaunchBatchFn", "Launched", "Pending", "Stu
 _NOTHING_MEASURED = (FailureKind.INTERRUPTED.value, FailureKind.CANCELLED.value)
 
 LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, candidate, timeout) -> result
-# The last launches of a budget confirm the best, for a strategy that does not do it itself: a best whose
-# runner-up is within NOISE x 2 (run-to-run noise assumed, relative) and that ran once is measured again.
-CONFIRM_AT_END = 2
+# The last launches of a budget confirm the best, for a strategy that does not do it itself
+# (`Strategy.confirms_best`): while the noise cannot tell a candidate from the best, the one measured
+# fewest times is measured again (up to CONFIRM_RUNS runs each), and a candidate whose two runs disagree
+# beyond record.STRAGGLER gets a third, which decides. At most CONFIRM_AT_END launches (an eighth of the
+# budget, at least 2); the noise is NOISE (relative sd) until repeats measure it (record.noise_sd).
+CONFIRM_AT_END = 6
+CONFIRM_SHARE = 8
+CONFIRM_RUNS = 3
 NOISE = 0.03
 
 
@@ -179,7 +184,7 @@ class StudyLoop:
                 if self.retries:
                     proposal, retry_of = self.retries.pop(0)
                 else:
-                    proposal = self._confirmation(n_trials - used - len(wave), wave) or \
+                    proposal = self._confirmation(n_trials - used - len(wave), n_trials, wave) or \
                         strategy.ask([p.cand for p in wave])
                 if proposal is None:
                     exhausted = True
@@ -239,29 +244,52 @@ class StudyLoop:
                     f"'elapsed time per iteration' (the same ranking at a fixed model and gbs)")
         return None
 
-    def _confirmation(self, left: int, wave: list[Pending]) -> Proposal | None:
-        """With CONFIRM_AT_END launches left, for a strategy that does not confirm its best itself
-        (`Strategy.confirms_best`): the best or the runner-up measured again when they are within the
-        noise and it ran once, so one lucky run does not decide the study."""
-        if left > CONFIRM_AT_END or self.job.strategy.confirms_best:
+    def _confirmation(self, left: int, n_trials: int, wave: list[Pending]) -> Proposal | None:
+        """Within the budget's last CONFIRM_AT_END launches (fewer in a small budget), for a strategy that
+        does not confirm its best itself (`Strategy.confirms_best`), one lucky run must not decide the
+        study (issue 19 1d): a best that ran once is measured again; a candidate the noise cannot tell from
+        the best (within two standard errors of the difference of their scores) whose two runs disagree
+        beyond record.STRAGGLER gets a third (one run is set aside as slowed, so the other alone, perhaps
+        a lucky one, would decide); then, of the best and those candidates, the one measured fewest times,
+        up to CONFIRM_RUNS each."""
+        if left > max(2, min(CONFIRM_AT_END, n_trials // CONFIRM_SHARE)) or self.job.strategy.confirms_best:
             return None
+        direction = self.job.evaluator.direction
         runs: dict[tuple, list[Outcome]] = {}
         for o in self.outcomes:
-            if o.launched and o.ok:
+            if o.launched and o.ok and o.value is not None and float(o.value) > 0:
                 runs.setdefault(self.job.space.key(o.candidate), []).append(o)
-        in_wave = [self.job.space.key(p.cand) for p in wave]
-        sign = 1.0 if self.job.evaluator.direction == "maximize" else -1.0
-        med = {k: sign * statistics.median(float(o.value or 0.0) for o in g) for k, g in runs.items()}
-        ranked = sorted(med, key=lambda k: -med[k])[:2]
-        if len(ranked) < 2 or abs(med[ranked[0]] - med[ranked[1]]) > 2 * NOISE * abs(med[ranked[0]]):
+        if len(runs) < 2:
             return None
-        for k in ranked:
-            if len(runs[k]) + in_wave.count(k) < 2:
-                first = runs[k][0]
-                return Proposal(dict(first.candidate), repeat=True, stage="confirm",
-                                why=f"confirm (noise): the best two are within {200 * NOISE:.0f} %; trial "
-                                    f"{first.trial_number} measured again")
-        return None
+        values = {k: [float(o.value) for o in g] for k, g in runs.items()}  # type: ignore[arg-type]
+        in_wave = [self.job.space.key(p.cand) for p in wave]
+        count = {k: len(v) + in_wave.count(k) for k, v in values.items()}
+        score = {k: record.central(v, direction) for k, v in values.items()}
+        sign = 1.0 if direction == "maximize" else -1.0
+        ranked = sorted(score, key=lambda k: -sign * score[k])
+        best = ranked[0]
+        noise = record.noise_sd(values.values(), direction, NOISE)
+        near = [k for k in ranked[1:]
+                if abs(math.log(score[best] / score[k])) < 2 * noise * math.sqrt(1 / count[best] + 1 / count[k])]
+        tied = [best, *near]
+        split = [k for k in tied if count[k] == len(values[k]) == 2 and len(record.unslowed(values[k], direction)) < 2]
+        if count[best] < 2:
+            k, why = best, "the best ran once: confirmed before it is called the best"
+        elif split:
+            k = split[0]
+            a, b = values[k]
+            why = f"its two runs ({a:.4g}, {b:.4g}) disagree beyond {100 * record.STRAGGLER:.0f} %: a third decides"
+        else:
+            k = min(tied, key=lambda k: (count[k], ranked.index(k)))
+            if not near or count[k] >= CONFIRM_RUNS:
+                return None
+            other = near[0] if k == best else k
+            gap = abs(math.log(score[best] / score[other]))
+            why = (f"the best two are {100 * gap:.1f} % apart, which the noise ({100 * noise:.1f} %) does not "
+                   f"decide after {count[best]} and {count[other]} run{'s' if count[other] > 1 else ''}")
+        first = runs[k][0]
+        return Proposal(dict(first.candidate), repeat=True, stage="confirm",
+                        why=f"confirm (noise): {why}; trial {first.trial_number} measured again")
 
     def abandon(self) -> None:
         """Close what this worker asked but did not tell (Ctrl-C, an error): launched ones are

@@ -304,6 +304,26 @@ def unslowed(values: list[float], direction: str) -> list[float]:
     return [v for v in values if v <= top * (1 + STRAGGLER)]
 
 
+def noise_sd(groups: Iterable[list[float]], direction: str, assumed: float) -> float:
+    """Run-to-run noise as a relative sd, from repeated candidates' measurements (each group one
+    candidate's positive values): pooled over every group's runs no straggler slowed (`unslowed`), once
+    three candidates were repeated (a median of a few pairs' spreads is itself so noisy that two lucky
+    pairs called 3 % noise 0.5 %); before that, `assumed`. Never below a quarter of `assumed`: repeats
+    that agree exactly still leave near ties below that worth another run."""
+    ss, dof, repeated = 0.0, 0, 0
+    for values in groups:
+        if len(values) < 2:
+            continue
+        repeated += 1
+        kept = [math.log(v) for v in unslowed(values, direction)]
+        mean = sum(kept) / len(kept)
+        ss += sum((k - mean) ** 2 for k in kept)
+        dof += len(kept) - 1
+    if repeated < 3 or not dof:
+        return assumed
+    return max(assumed / 4, math.sqrt(ss / dof))
+
+
 def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:
     """The complete outcome of the candidate with the best score. A candidate measured several times
     (`Proposal.repeat`) counts once, at `central` of its scores (the median of its runs that no

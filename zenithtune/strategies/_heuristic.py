@@ -53,7 +53,8 @@ How it chooses (each launch says which of these made it):
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
    predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
-   measurements that disagree (a third decides); and before stopping, a best that ran once, and every
+   measurements that disagree (a third decides), leaving CONFIRM_RESERVE of `repeats` to what follows;
+   and before stopping, a best that ran once, and every
    candidate the noise cannot yet tell from the best (within two standard errors of the difference of
    their means, while those could still hide `min_gain`), the one measured fewest times first, up to
    CONFIRM_RUNS runs each.
@@ -76,7 +77,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import central, unslowed
+from zenithtune.record import central, noise_sd
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -118,6 +119,9 @@ NOVEL_RISK = 0.25
 # Measurements of one candidate at most, before stopping, to tell it from a best the noise could have
 # decided (3 % run-to-run noise: the mean of 4 runs is within 1.5 %)
 CONFIRM_RUNS = 4
+# Of `repeats`, this many (at most a third) are kept for the confirmations before stopping: surprises
+# (outliers) do not spend them all.
+CONFIRM_RESERVE = 4
 
 
 def _lay(c: dict, vp: bool = True) -> tuple:
@@ -145,7 +149,7 @@ class HeuristicStrategy(Strategy):
     def __init__(self, first_fit: float = 0.85, fit: float | None = None, kappa: float = 1.0, min_gain: float = 0.01,
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
-                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 12, noise: float = 0.02,
+                 oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 20, noise: float = 0.02,
                  explore_layouts: int = 4, neighbours: int = 6, last_oom_risk: float = 0.25):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
@@ -542,24 +546,13 @@ class HeuristicStrategy(Strategy):
         return counts
 
     def _noise_sd(self) -> float:
-        """Run-to-run noise as a relative sd: measured once three candidates were repeated, pooled over
-        every repeated candidate's runs that no straggler slowed (those `record.central` also leaves
-        out, so a pair holding one 1.5x outlier does not make every result noise); a median of a few
-        pairs' spreads is itself so noisy that two lucky pairs called 3 % noise 0.5 %. Else the assumed
-        `noise`; never below a quarter of it."""
+        """Run-to-run noise as a relative sd (`record.noise_sd`: measured once three candidates were
+        repeated, over their runs no straggler slowed; else the assumed `noise`)."""
         groups: dict[tuple, list[float]] = {}
         for o in self.history:
             if self._usable(o):
                 groups.setdefault(self.space.key(o.candidate), []).append(self._speed(o))
-        ss, dof, repeated = 0.0, 0, 0
-        for v in groups.values():
-            kept = np.log(unslowed(v, "maximize"))  # (rates: higher is better)
-            ss += float(np.sum((kept - kept.mean()) ** 2))
-            dof += len(kept) - 1
-            repeated += len(v) >= 2
-        if repeated < 3 or not dof:
-            return self.noise
-        return max(self.noise / 4, math.sqrt(ss / dof))
+        return noise_sd(groups.values(), "maximize", self.noise)  # (rates: higher is better)
 
     def _repeats_left(self) -> int:
         return self.repeats - sum(1 for o in self.history if o.launched and o.repeat_of is not None)
@@ -570,8 +563,9 @@ class HeuristicStrategy(Strategy):
     def _surprise(self, reps: dict[tuple, Outcome], target: float, noise: float) -> Proposal | None:
         """A result that would steer the search on one measurement: far from its prediction (a slow
         outlier hides what could beat the best, a fast one crowns a loser) or reversing a micro-batch
-        ladder (which ends it) is measured again first, within the `repeats` budget."""
-        if self._repeats_left() <= 0:
+        ladder (which ends it) is measured again first, within the `repeats` budget less what is kept
+        for the confirmations before stopping (CONFIRM_RESERVE)."""
+        if self._repeats_left() <= min(CONFIRM_RESERVE, self.repeats // 3):
             return None
         counts = self._counts()
         for k, o in reversed(list(reps.items())):
