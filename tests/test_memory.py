@@ -472,3 +472,25 @@ def test_a_trainer_that_does_not_fold_keeps_the_estimates_law():
     peak = float(mm2._x_folded(est).sum())
     mm2.observe_success(tp2, measured_peak_gb=peak, reserved_gb=peak * 1.1)
     assert mm2.folds
+
+
+def test_a_run_proves_nothing_for_one_holding_more_outside_the_allocator():
+    """TE's userbuffers (--tp-comm-overlap, s·mbs/cp) are registered outside PyTorch's allocator: a run
+    that fit without them, or with CP halving them, does not prove a run holding more of them fits."""
+    seq = replace(LLAMA70, seq_length=8192)
+    mm = MemoryModel(seq, 80)
+    plain = Layout(32, 128, tp=4, pp=4, cp=2, sequence_parallel=True, **FULL)
+    mm.observe_success(plain, measured_peak_gb=None)
+    assert mm.proven_fit(plain) and not mm.proven_fit(replace(plain, tp_comm_overlap=True))
+    mm = MemoryModel(seq, 80)
+    mm.observe_success(replace(plain, tp_comm_overlap=True), measured_peak_gb=None)
+    assert mm.proven_fit(plain)  # the same run without the buffers holds less
+    # search.py's Llama-3-70B on 32 H100: less of every allocator component than a full-recompute run
+    # at CP 2, but twice its userbuffers at CP 1 (it ran out of memory where that run fit)
+    mm = MemoryModel(seq, 80)
+    fit = Layout(32, 128, tp=4, pp=4, cp=2, sequence_parallel=True, tp_comm_overlap=True,
+                 recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    mm.observe_success(fit, measured_peak_gb=None)
+    trade = Layout(32, 128, tp=4, pp=4, cp=1, vpp_size=5, sequence_parallel=True, tp_comm_overlap=True,
+                   recompute_granularity="selective", recompute_modules=("mlp",))
+    assert not mm.proven_fit(trade) and mm.oom_risk(trade) > 0

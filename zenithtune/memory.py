@@ -657,10 +657,16 @@ class MemoryModel:
         return bool(np.all(a <= b * (1 + 1e-6) + 1e-9))
 
     def _fits_like(self, est: MemoryEstimate, ok: MemoryEstimate) -> bool:
-        """Does `est` surely fit because `ok` ran: no more of any component and, recomputing otherwise
-        (the allocator fragments differently), no larger a reservation as learned."""
+        """Does `est` surely fit because `ok` ran: no more of any component, inside the allocator and
+        outside it, and, recomputing otherwise (the allocator fragments differently), no larger a
+        reservation as learned."""
         if not (self._within(self._x(est), self._x(ok)) and self._within(self._x_folded(est), self._x_folded(ok))):
             return False  # (under either law of expert splitting)
+        if self._assumed_fixed(est) > self._assumed_fixed(ok) + 1e-9:
+            # TE's userbuffers (s·mbs/cp) lie outside the allocator: TP4 PP4 VP5 CP1 with selective
+            # recompute holds less of every component than TP4 PP4 CP2 with full recompute, but twice its
+            # userbuffers, and ran out where that run fit (search.py, Llama-3-70B on 32 H100)
+            return False
         if est.full_recompute == ok.full_recompute:
             return True
         return self._reserve(est) <= self._reserve(ok)
@@ -719,6 +725,7 @@ class MemoryModel:
             # (recomputing otherwise, the allocator fragments otherwise: the reservation as learned decides,
             # as it does for a proof of fit, `_fits_like`)
             if self._within(self._x(bad), x) and self._within(self._x_folded(bad), xf) and \
+                    self._assumed_fixed(est) >= self._assumed_fixed(bad) - 1e-9 and \
                     x.sum() >= (1 + DOMINANCE_MARGIN) * self._x(bad).sum() and \
                     (est.full_recompute == bad.full_recompute or self._reserve(est) >= self._reserve(bad)):
                 return (f"needs at least as much of every memory component as a configuration that already "
