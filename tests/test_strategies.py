@@ -634,14 +634,19 @@ def test_staged_keeps_the_last_oom_from_its_memory_safe_layout_runs(monkeypatch,
     # layout run at "memory-safe" settings runs out of memory. With one OOM of max_ooms=2 left, a layout
     # run (stage 1, or stage 2's step to a layout next to the best) may carry at most `last_oom_risk` under
     # the learned memory model: the loop prunes one above it, says why, and TPE draws another layout
-    # (last_oom_risk=1 turns the rule off: then such a run is launched at a higher risk).
+    # (last_oom_risk=1 turns the rule off: then such a run is launched at a higher risk). So may stage 2's
+    # settings that foresee no gain of `probe_gain` (MBS steps, TPE's draws): after the last OOM only proven
+    # fits run, and no lighter recompute of a layout measured under full recompute is ever proven.
     seen = []  # (OOMs so far, the judge's risk, the proposal's cap, the screen's verdict) per proposal
+    capped_why = []  # why each capped proposal was made
     screen = StudyLoop._screen
 
     def spy(self, trial, cand, proposal):
         risk = self.job.assess(cand).oom_risk
         verdict = screen(self, trial, cand, proposal)
         seen.append((len(self.job.oom_runs), risk, proposal.max_risk, verdict))
+        if proposal.max_risk is not None:
+            capped_why.append(proposal.why)
         return verdict
 
     monkeypatch.setattr(StudyLoop, "_screen", spy)
@@ -653,6 +658,7 @@ def test_staged_keeps_the_last_oom_from_its_memory_safe_layout_runs(monkeypatch,
     assert capped and all(ooms == 1 for ooms, _, cap, _ in seen if cap is not None)
     ran = [risk for risk, verdict in capped if verdict is None]
     refused = [verdict for risk, verdict in capped if verdict is not None and verdict.rules == ["oom_risk"]]
+    assert any(w.startswith(("stage 2, MBS", "stage 2: TPE")) for w in capped_why), capped_why
     if last_oom_risk < 1:
         assert ran and max(ran) <= last_oom_risk, ran
         assert refused and "risk of running out of memory, above the 25 %" in refused[0].reasons[0], refused

@@ -10,7 +10,10 @@ of MBS, vp or recompute. It lasts `stage1_trials` launches, or
 less when every valid layout has run. When the next OOM would be the last `max_ooms` allows, a
 layout run at memory-safe settings (here and in step 4) may carry at most `last_oom_risk` of running
 out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
-the last OOM only proven fits run, which would keep stage 2 from every setting it has not measured.
+the last OOM only proven fits run, which would keep stage 2 from every setting it has not measured. So
+do stage 2's settings, but for a promotion that plausibly beats the best by `probe_gain` (an MBS step
+or a TPE draw foresees no gain worth the last OOM; no lighter recompute of a layout measured under full
+recompute is ever proven to fit).
 Once an OOM above a layout's floor showed the estimate short of this trainer, such a run takes the
 layout's memory floor (every layer recomputed) rather than the cheapest recompute the estimate says fits.
 
@@ -222,6 +225,16 @@ class StagedBlackboxStrategy(Strategy):
         for the settings of the layouts measured (stage 2), not spent on a layout the learned model doubts."""
         return self.last_oom_risk if self.max_ooms > 0 and self._ooms() == self.max_ooms - 1 else None
 
+    def _stake(self, gain: float) -> float | None:
+        """The OOM risk a stage-2 setting may carry: any (None) while more than one OOM of `max_ooms` is
+        left, or for a promotion plausibly `probe_gain` better than the best; else `last_oom_risk` when
+        the next OOM would be the last. An MBS step or a TPE draw (no gain foreseen) that spends it leaves
+        only proven fits, so no lighter recompute of a layout measured under full recompute could run
+        after it (robustness.py, the stand-in 128-expert MoE with noise: an MBS-2 step ran out of memory
+        as the second OOM, and the best layout stayed at full recompute, 0.754 of the optimum)."""
+        risk = self._safe_risk()
+        return None if risk is None or gain >= self.probe_gain else risk
+
     def _untried_layouts(self) -> list[tuple]:
         return [lay for lay in self._by_layout if lay not in self._stage1_layouts]
 
@@ -299,7 +312,8 @@ class StagedBlackboxStrategy(Strategy):
                                 why=f"stage 2, memory probe: {why}; only the memory estimate hides "
                                 f"{_rec(c)} ({100 * self.judge.assess(c).oom_risk:.0f} % risk of running out of "
                                 f"memory), one launch tests it at its edge")
-            return Proposal(dict(c), stage=SETTINGS_STAGE, why=f"stage 2, promotion: {why}, so it is measured")
+            return Proposal(dict(c), stage=SETTINGS_STAGE, max_risk=self._stake(gain),
+                            why=f"stage 2, promotion: {why}, so it is measured")
         return None
 
     def _neighbour(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
@@ -340,7 +354,7 @@ class StagedBlackboxStrategy(Strategy):
             if pick is not None:
                 self._neighboured.add((self.space.key(b), m))
                 who = "the best" if incumbent else "a runner-up layout's best"
-                return Proposal(dict(pick), stage=SETTINGS_STAGE,
+                return Proposal(dict(pick), stage=SETTINGS_STAGE, max_risk=self._stake(0.0),
                                 why=f"stage 2, MBS next to {who} (trial {best.trial_number}, mbs {mbs}): "
                                 f"mbs {m} with {_rec(pick)}")
         return None
@@ -433,10 +447,10 @@ class StagedBlackboxStrategy(Strategy):
         if self._streak >= self.patience:
             cand = self._rng.choice(self._untried(lay))
             return Proposal(dict(cand), why=f"stage 2: TPE repeated itself; an untried setting of layout #{i + 1} "
-                            f"{desc} at random", stage=SETTINGS_STAGE)
+                            f"{desc} at random", stage=SETTINGS_STAGE, max_risk=self._stake(0.0))
         tuned = "mbs/vp/recompute" if self.space.applies_vp(dict(lay)) else "mbs/recompute"
         return Proposal(dict(lay), why=f"stage 2: TPE tunes {tuned} on layout #{i + 1} {desc} "
-                        f"(best so far {o.value:.1f})", stage=SETTINGS_STAGE)
+                        f"(best so far {o.value:.1f})", stage=SETTINGS_STAGE, max_risk=self._stake(0.0))
 
 
 def _layout(space, cand: dict) -> tuple:
