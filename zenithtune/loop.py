@@ -257,7 +257,7 @@ class StudyLoop:
         direction = self.job.evaluator.direction
         runs: dict[tuple, list[Outcome]] = {}
         for o in self.outcomes:
-            if o.launched and o.ok and o.value is not None and math.isfinite(float(o.value)) and float(o.value) > 0:
+            if o.launched and o.usable:
                 runs.setdefault(self.job.space.key(o.candidate), []).append(o)
         if len(runs) < 2:
             return None

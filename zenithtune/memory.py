@@ -660,16 +660,19 @@ class MemoryModel:
         """Does `est` surely fit because `ok` ran: no more of any component, inside the allocator and
         outside it, and, recomputing otherwise (the allocator fragments differently), no larger a
         reservation as learned."""
-        if not (self._within(self._x(est), self._x(ok)) and self._within(self._x_folded(est), self._x_folded(ok))):
-            return False  # (under either law of expert splitting)
-        if self._assumed_fixed(est) > self._assumed_fixed(ok) + 1e-9:
-            # TE's userbuffers (s·mbs/cp) lie outside the allocator: TP4 PP4 VP5 CP1 with selective
-            # recompute holds less of every component than TP4 PP4 CP2 with full recompute, but twice its
-            # userbuffers, and ran out where that run fit (search.py, Llama-3-70B on 32 H100)
+        if not self._needs_no_more(est, ok):
             return False
         if est.full_recompute == ok.full_recompute:
             return True
         return self._reserve(est) <= self._reserve(ok)
+
+    def _needs_no_more(self, a: MemoryEstimate, b: MemoryEstimate) -> bool:
+        """Does `a` need no more than `b` of every component, under either law of expert splitting, and
+        no more outside the allocator? (TE's userbuffers, s·mbs/cp: TP4 PP4 VP5 CP1 with selective
+        recompute holds less of every allocator component than TP4 PP4 CP2 with full recompute, but twice
+        its userbuffers, and ran out where that run fit: search.py, Llama-3-70B on 32 H100.)"""
+        return self._within(self._x(a), self._x(b)) and self._within(self._x_folded(a), self._x_folded(b)) and \
+            self._assumed_fixed(a) <= self._assumed_fixed(b) + 1e-9
 
     def _reserve(self, est: MemoryEstimate) -> float:
         """What the allocator reserves for `est` as learned: its allocated part x its fragmentation."""
@@ -718,15 +721,13 @@ class MemoryModel:
         # Both rules hold under either law of how expert tensor parallelism splits the routed tokens
         # (`expert_folding`): an OOM at TP 8 / expert TP 2 whose expert activations a folding trainer holds
         # 4x of says nothing of TP 1 / expert TP 1 by the unfolded estimate alone.
-        x, xf = self._x(est), self._x_folded(est)
+        x = self._x(est)
         for bad, _ in self._bounds:
             # ...and clearly more in total: fragmentation differs between configurations (full recompute,
             # MoE token counts), so one a hair above an OOM may still fit; the learned rules judge those
             # (recomputing otherwise, the allocator fragments otherwise: the reservation as learned decides,
             # as it does for a proof of fit, `_fits_like`)
-            if self._within(self._x(bad), x) and self._within(self._x_folded(bad), xf) and \
-                    self._assumed_fixed(est) >= self._assumed_fixed(bad) - 1e-9 and \
-                    x.sum() >= (1 + DOMINANCE_MARGIN) * self._x(bad).sum() and \
+            if self._needs_no_more(bad, est) and x.sum() >= (1 + DOMINANCE_MARGIN) * self._x(bad).sum() and \
                     (est.full_recompute == bad.full_recompute or self._reserve(est) >= self._reserve(bad)):
                 return (f"needs at least as much of every memory component as a configuration that already "
                         f"ran out of memory ({self._corrected(bad):.1f} GB learned)")

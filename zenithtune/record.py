@@ -102,6 +102,13 @@ class Outcome:
         return self.state == "complete" and self.value is not None
 
     @property
+    def usable(self) -> bool:
+        """A score a search can learn from: finite and positive. Throughput and seconds per iteration are
+        both; anything else (0 from a broken log line, nan, a value stored by an older tuner in a resumed
+        study) carries no information about speed."""
+        return self.ok and math.isfinite(float(self.value)) and float(self.value) > 0  # type: ignore[arg-type]
+
+    @property
     def counts(self) -> bool:
         """Uses up one of n_trials: launched and finished; an interrupted or cancelled trial measured nothing."""
         return self.launched and self.kind not in (FailureKind.INTERRUPTED.value, FailureKind.CANCELLED.value)

@@ -335,13 +335,6 @@ class HeuristicStrategy(Strategy):
         v = speed if self.direction == "maximize" else 1.0 / max(speed, 1e-12)
         return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
-    @staticmethod
-    def _usable(o: Outcome) -> bool:
-        """A score the search can learn from: finite and positive. Throughput and seconds per
-        iteration are both; anything else (0 from a broken log line, nan, a value stored by an older
-        tuner in a resumed study) carries no information about speed and must not crash the fit."""
-        return o.ok and math.isfinite(float(o.value)) and float(o.value) > 0  # type: ignore[arg-type]
-
     def _ruled_out(self, c: dict, reps: dict[tuple, Outcome]) -> str | None:
         """Why measurements rule this candidate out, or None (`reps`: one outcome per measured candidate,
         at its median)."""
@@ -530,7 +523,7 @@ class HeuristicStrategy(Strategy):
         median of those no straggler slowed)."""
         groups: dict[tuple, list[Outcome]] = {}
         for o in self.history:
-            if self._usable(o):
+            if o.usable:
                 groups.setdefault(self.space.key(o.candidate), []).append(o)
         return {k: g[0] if len(g) == 1 else replace(g[-1], value=central([float(o.value) for o in g], self.direction))  # type: ignore[arg-type]
                 for k, g in groups.items()}
@@ -550,7 +543,7 @@ class HeuristicStrategy(Strategy):
         repeated, over their runs no straggler slowed; else the assumed `noise`)."""
         groups: dict[tuple, list[float]] = {}
         for o in self.history:
-            if self._usable(o):
+            if o.usable:
                 groups.setdefault(self.space.key(o.candidate), []).append(self._speed(o))
         return noise_sd(groups.values(), "maximize", self.noise)  # (rates: higher is better)
 
@@ -569,7 +562,7 @@ class HeuristicStrategy(Strategy):
             return None
         counts = self._counts()
         for k, o in reversed(list(reps.items())):
-            values = [self._speed(h) for h in self.history if self._usable(h) and self.space.key(h.candidate) == k]
+            values = [self._speed(h) for h in self.history if h.usable and self.space.key(h.candidate) == k]
             if len(values) == 2 and counts.get(k, 0) == 2 and abs(math.log(values[0] / values[1])) > 3 * noise and \
                     max(values) >= target * (1 - 3 * noise):
                 return self._again(o, f"its two measurements {self._shown(values[0])} and {self._shown(values[1])} "

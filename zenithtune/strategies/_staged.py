@@ -377,7 +377,7 @@ class StagedBlackboxStrategy(Strategy):
         # neighbour scores the sum over the values it changes; no model of the trainer is involved.
         # (a score that is not a positive number, e.g. 0 from a broken log line, says nothing of speed)
         rows = [(dict(lay), math.log(self.rate(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
-                for lay, o in self._best.items() if math.isfinite(float(o.value)) and float(o.value) > 0]  # type: ignore[arg-type]
+                for lay, o in self._best.items() if o.usable]
         if not rows:
             return None
         mean = sum(r for _, r in rows) / len(rows)
