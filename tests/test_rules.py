@@ -33,6 +33,8 @@ def argv_for(lay: Layout, model: ModelInfo) -> list[str]:
         out += ["--group-query-attention", "--num-query-groups", model.num_query_groups]
     if model.kv_channels:
         out += ["--kv-channels", model.kv_channels]
+    if model.ffn_hidden_size:
+        out += ["--ffn-hidden-size", model.ffn_hidden_size]
     if model.swiglu:
         out.append("--swiglu")
     if model.disable_bias_linear:
@@ -102,6 +104,11 @@ CASES = (
     Case("tp_query_groups", Layout(n_gpus=8, gbs=64, tp=4), m(DENSE, num_attention_heads=24, num_query_groups=6,
                                                                 hidden_size=3072),
          ("number of query groups (6)", "tensor model parallel size (4)")),
+    Case("tp_ffn", Layout(n_gpus=8, gbs=64, tp=8, sequence_parallel=True), m(DENSE, ffn_hidden_size=5460),
+         ("ffn hidden size (5460)", "tensor model parallel size (8)"), "dense"),
+    # Mixtral-like on 24 GPUs: expert TP 3 divides the world but not the experts' width
+    Case("tp_ffn", Layout(n_gpus=24, gbs=96, tp=4, ep=4, etp=3, sequence_parallel=True),
+         m(MOE, moe_ffn_hidden_size=1024), ("moe ffn hidden size (1024)", "expert tensor parallel size (3)"), "experts"),
     Case("hidden_heads", Layout(n_gpus=8, gbs=64), m(DENSE, hidden_size=1000, num_attention_heads=16,
                                                        num_query_groups=16),
          ("hidden size (1000)", "number of attention heads (16)")),

@@ -81,6 +81,7 @@ _LAYOUT = frozenset(("tp", "pp", "cp"))
 RULE_NEEDS: dict[str, frozenset[str]] = {
     "world_divisible": _LAYOUT, "expert_grid": _LAYOUT | {"ep", "etp"}, "experts": frozenset(("ep",)),
     "tp_heads": frozenset(("tp",)), "tp_query_groups": frozenset(("tp",)), "hidden_heads": frozenset(),
+    "tp_ffn": frozenset(("tp", "etp")),
     "cp_seq": frozenset(("cp",)), "gbs": _LAYOUT | {"mbs"}, "pp_layers": frozenset(("pp",)),
     "virtual_pipeline": _LAYOUT | {"mbs"}, "recompute": frozenset(("pp", "rest")),
     "moe_sequence_parallel": frozenset(("tp",)), "local_impl_sequence_parallel": frozenset(("tp",)),

@@ -252,6 +252,28 @@ def tp_fits_query_groups(lay: Layout, model: ModelInfo) -> str | None:
     return None
 
 
+def tp_divides_ffn(lay: Layout, model: ModelInfo) -> str | None:
+    """megatron/core/tensor_parallel/layers.py ColumnParallelLinear / RowParallelLinear (and Transformer
+    Engine's linears, megatron/core/extensions/transformer_engine.py): `divide(output_size, tp)` asserts
+    "{ffn} is not divisible by {tp}" when the model is built: a dense MLP (and a shared expert) splits its
+    width over TP; the routed experts' width (--moe-ffn-hidden-size, else the dense one) over expert TP
+    (megatron/core/transformer/moe/experts.py)."""
+    widths = []
+    if not model.is_moe or (model.moe_layer_freq or 1) > 1:
+        widths.append(("ffn hidden size", model.ffn, "tensor model parallel size", lay.tp))
+    if model.is_moe:
+        routed = model.moe_ffn_hidden_size or model.ffn
+        widths.append(("moe ffn hidden size", routed, "expert tensor parallel size", lay.expert_tp))
+        if model.moe_shared_expert_size:
+            widths.append(("shared expert ffn size", model.moe_shared_expert_size, "tensor model parallel size",
+                           lay.tp))
+    for name, width, by, size in widths:
+        if width and size > 1 and width % size:
+            fits = [d for d in divisors(width) if d <= max(size, 8)]
+            return f"{name} ({width}) is not divisible by {by} ({size}); sizes in {fits} would"
+    return None
+
+
 def hidden_divides_heads(lay: Layout, model: ModelInfo) -> str | None:
     """megatron/training/arguments.py validate_args: without --kv-channels, `assert hidden_size %
     num_attention_heads == 0`."""
@@ -705,6 +727,7 @@ RULES: tuple[Rule, ...] = (
     Rule("experts", "megatron", experts_divisible, "each EP rank holds num_experts/ep whole experts"),
     Rule("tp_heads", "megatron", tp_divides_heads, "TP splits attention heads across ranks"),
     Rule("tp_query_groups", "megatron", tp_fits_query_groups, "TP splits (or replicates) KV groups"),
+    Rule("tp_ffn", "megatron", tp_divides_ffn, "TP splits the MLP width, expert TP the experts' width"),
     Rule("hidden_heads", "megatron", hidden_divides_heads, "head dim is hidden/heads without --kv-channels"),
     Rule("cp_seq", "megatron", cp_divides_seq, "CP splits the sequence into 2·cp balanced chunks"),
     Rule("gbs", "megatron", gbs_divisible, "each iteration is a whole number of micro-batches per DP rank"),
