@@ -216,9 +216,14 @@ def _hash(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+# What an exhaustive optimum depends on outside the simulator: which candidates are valid (the space, the
+# rules) and how a command and a model are read (a new Megatron rule removes candidates, maybe the optimum)
+SWEEP_DEPENDS = ("space.py", "validate.py", "options.py", "command.py", "modelinfo.py")
+
+
 @functools.cache
 def _sim_hash() -> str:
-    return _hash(list((ROOT / "zenithtune" / "sim").glob("*.py")))
+    return _hash([*(ROOT / "zenithtune" / "sim").glob("*.py"), *(ROOT / "zenithtune" / f for f in SWEEP_DEPENDS)])
 
 
 @functools.cache  # once per run: an edit while it runs must not re-key (and so drop) what it already saved
