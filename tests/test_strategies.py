@@ -892,3 +892,25 @@ def test_the_loop_confirms_the_best_of_a_strategy_that_does_not_before_the_budge
     best = zstudy.best(loop.outcomes, "maximize")
     values = [o.value for o in runs if o.ok and o.candidate == best.candidate]
     assert len(values) >= 2 and (len(values) > 2 or len(record.unslowed(values, "maximize")) == 2), values
+
+
+MIXTRAL = ["--num-layers=32", "--hidden-size=4096", "--ffn-hidden-size=14336", "--num-attention-heads=32",
+           "--group-query-attention", "--num-query-groups=8", "--num-experts=8", "--moe-router-topk=2",
+           "--vocab-size=32000", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+           "--position-embedding-type=rope", "--seq-length=4096", "--max-position-embeddings=4096"]
+
+
+def test_staged_does_not_keep_the_last_oom_before_any_layout_was_measured():
+    # benchmarks/robustness.py, Mixtral-8x7B on 24 H100 and the memory-flavoured trainer: stage 1's first
+    # layout ran out of memory. With one OOM of max_ooms=2 left a layout run carried at most last_oom_risk,
+    # which every layout's memory floor exceeded once the memory model had learned from that OOM: stage 1
+    # saw every layout it drew refused, ended with nothing measured, and the study stopped after one
+    # launch ("every setting of every measured layout was tried"). The last OOM is kept for the settings of
+    # measured layouts; before one is measured there is nothing to keep it for.
+    job = make_job("staged_blackbox", n_gpus=24, gbs=96, shape=MIXTRAL, gpu="h100", switches=True,
+                   sim=("--sim-flavour=memory",))
+    loop, _ = study(job, 6)
+    runs = launched(loop)
+    assert runs[0].kind == "oom", [(o.candidate, o.kind) for o in runs]
+    assert len(runs) == 6 and any(o.ok for o in runs), [(o.why, o.kind) for o in runs]
+    assert sum(o.kind == "oom" for o in runs) <= 2

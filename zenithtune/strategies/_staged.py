@@ -222,7 +222,13 @@ class StagedBlackboxStrategy(Strategy):
         """The OOM risk a layout run at memory-safe settings may carry: any (None) while more than one OOM
         of `max_ooms` is left; `last_oom_risk` when the next OOM would be the last. Such a run is there
         to measure a layout; once an OOM showed the estimate short of this trainer, the last OOM is kept
-        for the settings of the layouts measured (stage 2), not spent on a layout the learned model doubts."""
+        for the settings of the layouts measured (stage 2), not spent on a layout the learned model doubts.
+        Before any layout was measured there is nothing to keep it for: capped then, stage 1 saw every layout
+        it drew refused (robustness.py, Mixtral on the memory-flavoured trainer: after an OOM on its first
+        launch every layout's floor carried more than the cap) and ended with nothing measured, the study
+        stopped after one launch."""
+        if not self._best:
+            return None
         return self.last_oom_risk if self.max_ooms > 0 and self._ooms() == self.max_ooms - 1 else None
 
     def _stake(self, gain: float) -> float | None:
@@ -438,7 +444,8 @@ class StagedBlackboxStrategy(Strategy):
         ranked = sorted(((lay, o) for lay, o in self._best.items() if self._untried(lay)),
                         key=lambda kv: self.rate(float(kv[1].value)), reverse=True)  # type: ignore[arg-type]
         if not ranked:
-            self.stop_reason = "every setting of every measured layout was tried"
+            self.stop_reason = ("every setting of every measured layout was tried" if self._best else
+                                "no layout could be measured: every layout stage 1 drew was refused or failed")
             return None
         top = ranked[: self.top_layouts]
         self._stage2_asked += 1
