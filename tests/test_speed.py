@@ -58,11 +58,12 @@ def _measure(pool, kw, truth: dict[str, float], level: float, idx: list[int]) ->
 def test_fit_recovers_the_component_that_differs_and_leaves_unexercised_ones_alone(moe_space):
     pool, kw = moe_space
     # a trainer whose all-to-all costs twice what the prior assumes, at 80 % of its level; runs without
-    # CP or recompute, over a spread of TP / EP / ETP / PP layouts
+    # CP or recompute, one on each TP / EP / ETP / PP layout (50; every third of them, as this test took
+    # before rule tp_ffn removed expert TP 3, leaves the EP-heavy ones too few to tell EP from TP: x1.21)
     plain = [i for i, c in enumerate(pool) if c.get("cp", 1) == 1 and c.get("mbs") == 1
              and c.get("recompute_granularity") in (None, "none")]
     layouts = {tuple(pool[i].get(k) for k in ("tp", "ep", "etp", "pp")): i for i in plain}
-    picks = [layouts[k] for k in sorted(layouts)][::3]
+    picks = [layouts[k] for k in sorted(layouts)]
     assert len(picks) >= 15
     idx, y = _measure(pool, kw, {"ep": 2.0}, 0.8, picks)
     sm = SpeedModel(pool, **kw)
