@@ -8,18 +8,12 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
-from test_strategies import MOE, launched, make_job, study
+from test_strategies import MIXTRAL, MOE, launched, make_job, study
 
 from zenithtune import settings
 from zenithtune.job import Job, build_job
 from zenithtune.strategies._speed import SpeedModel
 from zenithtune.strategies._throughput import COMPONENTS, predict_tflops
-
-# Mixtral-like, 24 GPUs in 3 nodes: EP, ETP, PP, CP and DP all on the table
-MIXTRAL = ["--num-layers=32", "--hidden-size=4096", "--ffn-hidden-size=14336", "--num-attention-heads=32",
-           "--group-query-attention", "--num-query-groups=8", "--num-experts=8", "--moe-router-topk=2",
-           "--seq-length=4096", "--max-position-embeddings=4096", "--vocab-size=32000", "--swiglu",
-           "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 
 
 @pytest.fixture(scope="module")

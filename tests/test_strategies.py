@@ -41,6 +41,13 @@ MOE = ["--num-layers=8", "--hidden-size=1024", "--ffn-hidden-size=2816", "--num-
        "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 
 
+# Mixtral-like, 24 GPUs in 3 nodes: EP, ETP, PP, CP and DP all on the table (test_speed.py uses it too)
+MIXTRAL = ["--num-layers=32", "--hidden-size=4096", "--ffn-hidden-size=14336", "--num-attention-heads=32",
+           "--group-query-attention", "--num-query-groups=8", "--num-experts=8", "--moe-router-topk=2",
+           "--seq-length=4096", "--max-position-embeddings=4096", "--vocab-size=32000", "--swiglu",
+           "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
 def make_job(strategy: str, *, n_gpus: int = 8, gbs: int = 32, shape: list[str] = SHAPE, gpu: str = "a100-40g",
              extra: tuple[str, ...] = (), sim: tuple[str, ...] = (), switches: bool = False) -> Job:
     # the strategy tests predate the overlap switches (tests/test_overlap_switches.py); they keep their space
@@ -894,12 +901,6 @@ def test_the_loop_confirms_the_best_of_a_strategy_that_does_not_before_the_budge
     assert len(values) >= 2 and (len(values) > 2 or len(record.unslowed(values, "maximize")) == 2), values
 
 
-MIXTRAL = ["--num-layers=32", "--hidden-size=4096", "--ffn-hidden-size=14336", "--num-attention-heads=32",
-           "--group-query-attention", "--num-query-groups=8", "--num-experts=8", "--moe-router-topk=2",
-           "--vocab-size=32000", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-           "--position-embedding-type=rope", "--seq-length=4096", "--max-position-embeddings=4096"]
-
-
 def test_staged_does_not_keep_the_last_oom_before_any_layout_was_measured():
     # benchmarks/robustness.py, Mixtral-8x7B on 24 H100 and the memory-flavoured trainer: stage 1's first
     # layout ran out of memory. With one OOM of max_ooms=2 left a layout run carried at most last_oom_risk,
@@ -907,7 +908,8 @@ def test_staged_does_not_keep_the_last_oom_before_any_layout_was_measured():
     # saw every layout it drew refused, ended with nothing measured, and the study stopped after one
     # launch ("every setting of every measured layout was tried"). The last OOM is kept for the settings of
     # measured layouts; before one is measured there is nothing to keep it for.
-    job = make_job("staged_blackbox", n_gpus=24, gbs=96, shape=MIXTRAL, gpu="h100", switches=True,
+    job = make_job("staged_blackbox", n_gpus=24, gbs=96, shape=[*MIXTRAL, "--position-embedding-type=rope"],
+                   gpu="h100", switches=True,
                    sim=("--sim-flavour=memory",))
     loop, _ = study(job, 6)
     runs = launched(loop)
