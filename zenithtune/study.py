@@ -187,12 +187,22 @@ def _sqlite_wal(path: Path) -> None:
     A damaged file (a page overwritten) is refused here, in one line, before Optuna reads it."""
     import sqlite3
 
-    try:
-        with sqlite3.connect(str(path), timeout=SQLITE_BUSY_S) as conn:
-            _check_intact(conn, path)
-            conn.execute("PRAGMA journal_mode=WAL")
-    except sqlite3.Error as e:
-        raise UserError(f"cannot open sqlite storage {path}: {e}") from None
+    # Switching the journal mode needs the file to itself and does not wait out sqlite's busy timeout: four
+    # workers opening one new study at once saw "database is locked" (CI, a busy machine). The mode is read
+    # first (set once, it is set for good) and the switch retried with a growing pause.
+    for attempt in range(8):
+        try:
+            with sqlite3.connect(str(path), timeout=SQLITE_BUSY_S) as conn:
+                _check_intact(conn, path)
+                if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == 7:
+                raise UserError(f"cannot open sqlite storage {path}: {e}") from None
+            time.sleep(0.2 * (attempt + 1))
+        except sqlite3.Error as e:
+            raise UserError(f"cannot open sqlite storage {path}: {e}") from None
 
 
 def _sqlite_uri(path: Path) -> str:
