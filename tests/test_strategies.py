@@ -841,6 +841,37 @@ def test_the_last_oom_is_risked_only_on_a_predicted_gain(last_oom_risk):
 
 
 @pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
+def test_the_last_oom_is_staked_only_when_nothing_safer_could_beat_the_best(last_oom_risk):
+    # After the last OOM max_ooms allows, only proven fits run. So with one OOM left, a launch that could
+    # spend it (above last_oom_risk) waits while any candidate carrying at most last_oom_risk could still
+    # beat the best, however much less it promises: ranked by expected outcome alone, the riskier one went
+    # first (robustness.py, GQA-13B on the memory trainer: a 2nd OOM at mbs 8 at launch 9, after which the
+    # optimum at mbs 2 could not be proven). Here every mbs-1 candidate carries a 40 % risk (the memory
+    # model is replaced), and the best's mbs 1 is predicted to beat it; last_oom_risk=1 turns the rule off.
+    job = make_job("heuristic", extra=(f"strategy.last_oom_risk={last_oom_risk}", "strategy.neighbours=0",
+                                       "strategy.test_both_granularities=false", "strategy.probe_gain=0"))
+    study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
+    s = job.strategy
+    assert s._ooms() == 1
+    s._risk = lambda c: (0.4 if c["mbs"] == 1 else 0.0, None)
+    runs, pending = [], []
+    while len(pending) < 12 and (p := s.ask(pending)) is not None:
+        pending.append(p.fixed)
+        if not p.repeat and not p.probe_memory:
+            runs.append((p.fixed["mbs"] == 1, p.why))
+    risky = [r for r, _ in runs]
+    assert True in risky and risky.count(False) >= 3, runs
+    last_safe = len(risky) - 1 - risky[::-1].index(False)
+    if last_oom_risk == 1.0:
+        assert risky.index(True) < last_safe, runs  # the risky one went first
+        return
+    assert risky.index(True) > last_safe, runs  # every safe one first, each saying so once one waits
+    assert "the last OOM max_ooms=2 allows is staked" in runs[last_safe][1]
+    assert "no launch carrying at most 25 % risk of running out of memory could beat the best" in \
+        runs[risky.index(True)][1]
+
+
+@pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
 def test_with_one_oom_left_the_bests_tests_carry_no_more_than_last_oom_risk(last_oom_risk):
     # The stake rule above holds for the best's own tests too: with the main path held back, a neighbour
     # test at any risk took the last OOM instead (the stand-in Llama-3-70B study: a PP 8->4 neighbour at

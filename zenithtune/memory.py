@@ -90,6 +90,7 @@ class MemoryEstimate:
     expert_activations_gb: float = 0.0
     logits_gb: float = 0.0
     full_recompute: bool = False  # the caching allocator fragments differently when layers are recomputed
+    micro_batch: int = 1  # the MBS: activations may grow faster than it (`MemoryModel`'s per-sample growth)
     # how many times expert_activations_gb a rank holds if expert TP, not TP, splits the routed tokens
     # (Megatron-Core's MoE parallel folding): tp / expert tp where that is above 1
     expert_folding: float = 1.0
@@ -296,7 +297,7 @@ def _stage(layout: Layout, params_dense: float, params_expert: float, act: float
         weights_gb=2 * total_params / GIB, grads_gb=4 * total_params / GIB, optimizer_gb=optimizer / GIB,
         activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name,
         expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB,
-        full_recompute=layout.recompute_granularity == "full",
+        full_recompute=layout.recompute_granularity == "full", micro_batch=max(1, layout.mbs),
         expert_folding=max(1.0, t / max(1, layout.expert_tp)) if routed_act else 1.0)
 
 
@@ -377,6 +378,19 @@ DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration 
 
 COMPONENTS = ("weights", "optimizer", "activations", "expert_activations", "logits")
 W_MIN, W_MAX = 0.3, 3.0  # how far a learned multiplier may go: beyond, the trainer differs in structure, not scale
+# Activations that grow faster than the micro-batch size: each sample beyond the first adds a share of
+# the (dense and routed) activations -- 1F1B's p2p buffers of every micro-batch in flight, attention
+# workspaces that grow with b·s, the caching allocator rounding larger blocks up. Korthikanti et al. 2022
+# count only the saved tensors, linear in b, and so does the estimate: the share per extra sample is
+# learned (prior 0 +- PER_SAMPLE_SD, within [0, PER_SAMPLE_MAX]) from runs at different MBS. A linear
+# multiplier cannot do it: an OOM at MBS 8 then scales every MBS-1 prediction up by what MBS 8 needed.
+PER_SAMPLE_SD = 0.05
+PER_SAMPLE_MAX = 0.5
+LEARNED = (*COMPONENTS, "per_sample")  # what the fit learns: the components' multipliers, then the growth
+_PRIOR_MEAN = np.array([1.0] * len(COMPONENTS) + [0.0])
+_PRIOR_SD = np.array([COMPONENT_SD] * len(COMPONENTS) + [PER_SAMPLE_SD])
+_LOW = np.array([W_MIN] * len(COMPONENTS) + [0.0])
+_HIGH = np.array([W_MAX] * len(COMPONENTS) + [PER_SAMPLE_MAX])
 # How much better (in -2 log posterior) the folded law of expert splitting must explain the evidence to be
 # believed over the estimate's own (a likelihood ratio of e^2): one measurement off by 3 sd decides, noise does not.
 LAW_EVIDENCE = 4.0
@@ -458,7 +472,8 @@ class MemoryModel:
       estimate's allocated part): a Bayesian linear fit with prior 1 +- COMPONENT_SD each, so one
       measurement moves mostly the component that dominates it, and runs that differ in what
       dominates (a larger MBS: activations; less TP: weights; more EP: expert activations) separate
-      them. How an MoE's routed tokens are split (by TP as the estimate has it, or by expert TP under
+      them. Activations may also grow faster than the MBS: a share per sample beyond the first is
+      learned alongside (PER_SAMPLE_SD), from runs at different MBS. How an MoE's routed tokens are split (by TP as the estimate has it, or by expert TP under
       MoE parallel folding) is a law, not a scale: both are fitted and the one the evidence favours
       predicts (`folds`). A measured "max reserved" replaces the assumed fragmentation by the one measured on runs
       that recompute alike (full recompute fragments more), and proves that what lies outside the
@@ -501,9 +516,8 @@ class MemoryModel:
         self._oom_at: list[tuple[Layout, bool | None]] = []  # ... as (layout, ViT checkpointing)
         self._growth: tuple[int, float | None] | None = None  # (observations it was computed on, bound_growth)
         self._refuted = 0.0  # the largest growth a bound-proven run that ran out of memory refuted
-        n = len(COMPONENTS)
-        self._w = np.ones(n)  # learned multipliers, in COMPONENTS' order
-        self._cov = np.eye(n) * COMPONENT_SD ** 2  # their posterior covariance
+        self._w = _PRIOR_MEAN.copy()  # learned multipliers in COMPONENTS' order, then the per-sample growth
+        self._cov = np.diag(_PRIOR_SD ** 2)  # their posterior covariance
         self._folds = False  # the evidence says expert TP, not TP, splits the routed tokens (`folds`)
         self._misses: list[float] = []  # how far off observations the model did not expect were (shares)
 
@@ -515,6 +529,12 @@ class MemoryModel:
     def scales(self) -> dict[str, float]:
         """Learned multipliers on the estimate's components (1.0: as estimated)."""
         return {name: float(w) for name, w in zip(COMPONENTS, self._w)}
+
+    @property
+    def per_sample(self) -> float:
+        """Learned share of the activations each micro-batch sample beyond the first adds (0.0: linear in
+        MBS, as estimated)."""
+        return float(self._w[-1])
 
     @property
     def fragmentation(self) -> float:
@@ -572,8 +592,10 @@ class MemoryModel:
         return self._folds
 
     def _xl(self, est: MemoryEstimate, folded: bool | None = None) -> np.ndarray:
-        """The components under a law of expert splitting: `folded`, else the one the evidence favours (`folds`)."""
-        return self._x_folded(est) if (self._folds if folded is None else folded) else self._x(est)
+        """What the fit weighs (LEARNED): the components under a law of expert splitting (`folded`, else the
+        one the evidence favours, `folds`), then the activations times the samples beyond the first."""
+        x = self._x_folded(est) if (self._folds if folded is None else folded) else self._x(est)
+        return np.append(x, (x[2] + x[3]) * (est.micro_batch - 1))
 
     def _fitted_sd(self, x: np.ndarray) -> float:
         """1 sd of the learned allocated GB of components `x`, from the multipliers' posterior."""
@@ -611,9 +633,9 @@ class MemoryModel:
         to [W_MIN, W_MAX], still cannot explain, in sd of its bound. An unexplained OOM is not made
         up by scaling every component (that contradicts every run that fit); it is evidence against
         the law, and `_oom_reason` judges by it directly."""
-        n = len(COMPONENTS)
-        prior = np.full(n, 1 / COMPONENT_SD ** 2)
-        A, b = np.diag(prior), prior.copy()
+        n = len(LEARNED)
+        prior = 1 / _PRIOR_SD ** 2
+        A, b = np.diag(prior), prior * _PRIOR_MEAN
         X = np.array([self._xl(e, fold) for e, _ in self._measured]).reshape(len(self._measured), n)
         y = np.array([v for _, v in self._measured])
         sd = np.maximum(MEASURED_SD * y, 1e-3)
@@ -624,8 +646,8 @@ class MemoryModel:
         # (converted now, with what is known now of the non-PyTorch part and the fragmentation)
         C = np.array([self._xl(e, fold) for e, _ in self._bounds]).reshape(len(self._bounds), n)
         d = np.array([(need - self._fixed(e)) / (1 + self._fragmentation(e)) for e, need in self._bounds])
-        w = np.clip(_bounded_least_squares(A, b, C, d), W_MIN, W_MAX)
-        misfit = float((((w - 1) / COMPONENT_SD) ** 2).sum() + (((y - X @ w) / sd) ** 2).sum())
+        w = np.clip(_bounded_least_squares(A, b, C, d), _LOW, _HIGH)
+        misfit = float((((w - _PRIOR_MEAN) / _PRIOR_SD) ** 2).sum() + (((y - X @ w) / sd) ** 2).sum())
         misfit += float(((np.clip(d - C @ w, 0, None) / np.maximum(MEASURED_SD * d, 1e-3)) ** 2).sum())
         return w, np.linalg.inv(A), misfit
 
@@ -742,6 +764,8 @@ class MemoryModel:
                         f"out of memory")
         if need > self.limit_gb:
             moved = [f"{k} x{v:.2f}" for k, v in self.scales.items() if abs(v - 1) >= 0.005]
+            if self.per_sample >= 0.005:
+                moved.append(f"activations +{100 * self.per_sample:.0f} % per sample beyond the first")
             if self._fixed(est) < self._assumed_fixed(est):
                 moved.append(f"non-PyTorch <= {self._fixed(est):.1f} GB")
             learned = f", learned {' '.join(moved)}" if moved and (self._measured or self._bounds) else ""
@@ -859,7 +883,7 @@ class MemoryModel:
                 # tokens (`expert_folding`): a CP step from TP 4 / expert TP 1 grows a folding trainer's
                 # expert activations 4x what the estimate says
                 d = np.maximum(self._x(b) - self._x(a), self._x_folded(b) - self._x_folded(a))
-                total += float((np.maximum(growth, self._w) * np.clip(d, 0, None)).sum())
+                total += float((np.maximum(growth, self._w[:len(COMPONENTS)]) * np.clip(d, 0, None)).sum())
                 total += SAVINGS * float(np.clip(d, None, 0).sum())
                 here = nxt
             worst = total if worst is None else max(worst, total)

@@ -46,8 +46,9 @@ How it chooses (each launch says which of these made it):
    than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at a higher
    risk: after it, only proven fits run, and a neighbour no run that fit proves is out of reach. A
    launch that could spend that last OOM at more than `last_oom_risk` must also be predicted to beat
-   the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it; and
-   with one OOM left the best's own tests, too, carry no more than `last_oom_risk`.
+   the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it; it waits
+   while any launch carrying at most `last_oom_risk` could still beat the best; and with one OOM left the
+   best's own tests and the layouts explored (step 7), too, carry no more than `last_oom_risk`.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
    straggler slowed (`record.central`: within 10 % of its fastest run). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
@@ -416,6 +417,7 @@ class HeuristicStrategy(Strategy):
         risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
         order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
         ruled = unfit = 0
+        staked: tuple[Proposal, int] | None = None  # a launch that could spend the last OOM, while a safer one is sought
         for j in order:
             cand = self._pool[at[j]]
             if self._ruled_out(cand, reps):
@@ -432,9 +434,22 @@ class HeuristicStrategy(Strategy):
                    f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}{learned}{contradicted}) could beat best "
                    f"{self._shown(target)}")
             if fits:
-                first = self._before_last_oom(cand, best, tried, reps)
-                if first is not None:
-                    return first
+                if staked is None:
+                    first = self._before_last_oom(cand, best, tried, reps)
+                    if first is not None:
+                        return first
+                if self._one_oom_left() and r > self.last_oom_risk:
+                    # The last OOM max_ooms allows is staked only when no launch that carries at most
+                    # last_oom_risk could beat the best: after it, only proven fits run.
+                    if staked is None:
+                        staked = (Proposal(dict(cand), why=f"{why}; {mem}; no launch carrying at most "
+                                           f"{100 * self.last_oom_risk:g} % risk of running out of memory could "
+                                           f"beat the best, so the last OOM max_ooms={self.max_ooms} allows is "
+                                           f"staked ({100 * r:.0f} %)"), int(j))
+                    continue
+                if staked is not None:
+                    why += (f"; first, before the last OOM max_ooms={self.max_ooms} allows is staked "
+                            f"({100 * risk_of[staked[1]]:.0f} %) on {_at(staked[0].fixed)} {_rec_desc(staked[0].fixed)}")
                 self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
@@ -446,6 +461,10 @@ class HeuristicStrategy(Strategy):
                     probe = (worth, Proposal(dict(cand), probe_memory=True,
                                              why=f"memory probe: {why}, though {mem}; {100 * r:.0f} % risk of "
                                                  f"running out of memory for the best expected gain per risk"))
+        if staked is not None:
+            proposal, j = staked
+            self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
+            return proposal
         found = self._before_stopping(best, tried, reps, probe[1] if probe else None)
         return found or self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
 
@@ -493,6 +512,8 @@ class HeuristicStrategy(Strategy):
             if _lay(cand, vp=False) in measured or self._keys[i] in tried or self._ruled_out(cand, reps):
                 continue
             fits, mem = self._fits(cand, self.fit)
+            if fits and self._one_oom_left() and self._risk(cand)[0] > self.last_oom_risk:
+                continue  # not the last OOM max_ooms allows: a variant of the layout needing less memory
             if fits:
                 return Proposal(dict(cand), why=f"{EXPLORE_WHY}: predictions missed by {100 * missed:.0f} %, so "
                                 f"layout {self._layout_note(cand)} is measured although the prior ranks it low; "
@@ -690,9 +711,8 @@ class HeuristicStrategy(Strategy):
         test = self._bests_tests(best, tried, reps, self.last_oom_risk)
         if test is None:
             return None
-        at = " ".join(f"{k}={cand[k]}" for k in (*LAYOUT_KEYS, "mbs") if cand.get(k) is not None)
         return replace(test, why=f"{test.why}; first, before the last OOM max_ooms={self.max_ooms} allows is risked "
-                                 f"({100 * risk:.0f} %) on {at} {_rec_desc(cand)}")
+                                 f"({100 * risk:.0f} %) on {_at(cand)} {_rec_desc(cand)}")
 
     def _stake(self, fits: bool, mem: str, risk: float, gain: float) -> tuple[bool, str]:
         """`_fits`'s verdict on a launch predicted at `gain` x the best, carrying `risk` of running out of
@@ -817,6 +837,11 @@ class HeuristicStrategy(Strategy):
         if c.get("ep", 1) > 1:
             notes.append(f"ep{c['ep']} spreads {m.num_experts} experts")
         return ", ".join(notes)
+
+
+def _at(c: dict) -> str:
+    """A candidate's layout and MBS, as `name=value` pairs."""
+    return " ".join(f"{k}={c[k]}" for k in (*LAYOUT_KEYS, "mbs") if c.get(k) is not None)
 
 
 def _rec_desc(c: dict) -> str:
