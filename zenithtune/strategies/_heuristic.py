@@ -48,7 +48,10 @@ How it chooses (each launch says which of these made it):
    launch that could spend that last OOM at more than `last_oom_risk` must also be predicted to beat
    the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it; it waits
    while any launch carrying at most `last_oom_risk` could still beat the best; and with one OOM left the
-   best's own tests and the layouts explored (step 7), too, carry no more than `last_oom_risk`.
+   best's own tests and the layouts explored (step 7), too, carry no more than `last_oom_risk`. With one
+   OOM left, the memory edge is approached from the safe side: before a launch carrying EDGE_RISK or
+   more, the variant of its layout and MBS (another recompute) with the least risk that is still
+   predicted to beat the best by `min_gain` runs, and its measurement judges the heavier variants.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
    straggler slowed (`record.central`: within 10 % of its fastest run). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
@@ -89,6 +92,9 @@ if TYPE_CHECKING:
     from zenithtune.assessment import Judge
 
 RISK_DONE = 0.10  # the OOM risk a launch may carry once a study has spent its `max_ooms`
+# With one OOM left, a launch carrying at least this risk goes after the variant of its layout and MBS
+# carrying the least risk, if one is still predicted to beat the best (`_safe_side`)
+EDGE_RISK = 0.05
 # Kendall's tau between the prior's ranking and the measured one below which every prediction's
 # uncertainty widens (by 1 + the shortfall: tau 0 -> x1.5, reversed -> x2.5)
 CONTRADICTED = 0.5
@@ -450,6 +456,16 @@ class HeuristicStrategy(Strategy):
                 if staked is not None:
                     why += (f"; first, before the last OOM max_ooms={self.max_ooms} allows is staked "
                             f"({100 * risk_of[staked[1]]:.0f} %) on {_at(staked[0].fixed)} {_rec_desc(staked[0].fixed)}")
+                k = self._safe_side(cand, r, target * (1 + self.min_gain), at, pred, tried, reps)
+                if k is not None:
+                    safer = self._pool[at[k]]
+                    self._predicted[self._keys[at[k]]] = (float(pred[k]), float(sd[k]))
+                    return Proposal(dict(safer), why=(
+                        f"{self._role(safer, best.candidate)}: predicted {self._shown(pred[k])} could beat best "
+                        f"{self._shown(target)}; {self._fits(safer, self.fit)[1]}; the memory edge approached from "
+                        f"the safe side: first, with one OOM of max_ooms={self.max_ooms} left, the variant of "
+                        f"{_rec_desc(cand)} (a {100 * r:.0f} % risk of running out) needing least risk "
+                        f"({100 * self._risk(safer)[0]:.0f} %) that is still predicted to beat the best"))
                 self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
@@ -723,6 +739,31 @@ class HeuristicStrategy(Strategy):
             return False, (f"{mem}: a {100 * risk:.0f} % risk of spending the last OOM max_ooms={self.max_ooms} "
                            f"allows, for a predicted gain under {100 * self.probe_gain:g} %")
         return fits, mem
+
+    def _safe_side(self, cand: dict, risk: float, bar: float, at: np.ndarray, pred: np.ndarray,
+                   tried: set[tuple], reps: dict[tuple, Outcome]) -> int | None:
+        """With one OOM of `max_ooms` left, the memory edge is approached from the safe side: before `cand`
+        (carrying `risk` of running out, at least EDGE_RISK), the variant of its layout and MBS (another
+        recompute) that carries the least risk, less than `cand`'s, and is still predicted above `bar` (the
+        best plus `min_gain`); its index into `at`, or None. Once it ran, the learned model knows this layout at
+        this MBS, so the heavier variants next to it are judged on a measurement, not on a guess (the
+        64-expert MoE on the stand-in trainer: MBS 2 fits with 7 or 8 of 28 layers recomputed, not 6;
+        the last OOM went to 6)."""
+        if not self._one_oom_left() or risk < EDGE_RISK:
+            return None
+        lay, mbs, sets = _lay(cand), cand.get("mbs"), settings(cand)
+        found: tuple[float, float, int] | None = None
+        for k, i in enumerate(at):
+            c = self._pool[i]
+            if c is cand or _lay(c) != lay or c.get("mbs") != mbs or settings(c) != sets or pred[k] <= bar or \
+                    self._keys[i] in tried:
+                continue
+            r = self._risk(c)[0]
+            if r >= risk or self._ruled_out(c, reps) or not self._fits(c, self.fit)[0]:
+                continue
+            if found is None or (r, -pred[k]) < found[:2]:
+                found = (r, -float(pred[k]), k)
+        return None if found is None else found[2]
 
     def _one_oom_left(self) -> bool:
         """The next OOM would spend the last `max_ooms` allows."""
