@@ -43,8 +43,8 @@ How it chooses (each launch says which of these made it):
    is no measurement. Then the trades that keep the model-parallel product (TP / PP / CP: one halved,
    another doubled), which hold about the same share of the weights per GPU and so may fit where no
    one-step neighbour does. These tests run earlier, at no more
-   than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at a higher
-   risk: after it, only proven fits run, and a neighbour no run that fit proves is out of reach. A
+   than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at more than
+   RISK_DONE: after it, only proven fits run, and a neighbour no run that fit proves is out of reach. A
    launch that could spend that last OOM at more than `last_oom_risk` must also be predicted to beat
    the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it; it waits
    while any launch carrying at most `last_oom_risk` could still beat the best; and with one OOM left the
@@ -715,14 +715,17 @@ class HeuristicStrategy(Strategy):
 
     def _before_last_oom(self, cand: dict, best: Outcome, tried: set[tuple],
                          reps: dict[tuple, Outcome]) -> Proposal | None:
-        """The last OOM `max_ooms` allows is not risked (above `last_oom_risk`) while the best's own tests --
-        its other recompute granularity, the layouts one step from it -- can run at no more risk: after that
-        OOM only proven fits run, and the layout next to the best, where a trainer the prior misjudges hides
-        its optimum, would then be out of reach whenever no run that fit proves it fits."""
+        """The last OOM `max_ooms` allows is not risked (above RISK_DONE, the risk a launch may carry once it
+        is spent) while the best's own tests -- its other recompute granularity, the layouts one step from
+        it -- can run at no more than `last_oom_risk`: after that OOM only proven fits run, and the layout
+        next to the best, where a trainer the prior misjudges hides its optimum, would then be out of reach
+        whenever no run that fit proves it fits. (Held only above `last_oom_risk`, a TP8 / EP8 launch at a
+        23 % risk on the stand-in Qwen3 study went first, ran out, and the optimum one CP step from the
+        best could not be proven: 0.571.)"""
         if not self._one_oom_left():
             return None
         risk = self._risk(cand)[0]
-        if risk <= self.last_oom_risk:
+        if risk <= RISK_DONE:
             return None
         test = self._bests_tests(best, tried, reps, self.last_oom_risk)
         if test is None:
