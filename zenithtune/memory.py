@@ -474,9 +474,10 @@ class MemoryModel:
       measurement moves mostly the component that dominates it, and runs that differ in what
       dominates (a larger MBS: activations; less TP: weights; more EP: expert activations) separate
       them. Activations may also grow faster than the MBS: a share per sample beyond the first is
-      learned alongside (PER_SAMPLE_SD), from runs at different MBS. How an MoE's routed tokens are split (by TP as the estimate has it, or by expert TP under
-      MoE parallel folding) is a law, not a scale: both are fitted and the one the evidence favours
-      predicts (`folds`). A measured "max reserved" replaces the assumed fragmentation by the one measured on runs
+      learned alongside (PER_SAMPLE_SD), from runs at different MBS. How an MoE's routed tokens are
+      split (by TP as the estimate has it, or by expert TP under MoE parallel folding) is a law, not a
+      scale: both are fitted and the one the evidence favours predicts (`folds`). A measured "max
+      reserved" replaces the assumed fragmentation by the one measured on runs
       that recompute alike (full recompute fragments more), and proves that what lies outside the
       allocator (CUDA context, NCCL buffers) is at most what the run left of the GPU. The
       fit's posterior also says how uncertain a prediction still is (`predict_sd`).
