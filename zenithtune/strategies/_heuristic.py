@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -149,6 +149,18 @@ def _split(c: dict) -> tuple:
 def _rec(c: dict) -> tuple:
     g = c.get("recompute_granularity")
     return (g, c.get("recompute_method")) if g == "full" else (g, c.get("recompute_modules"))
+
+
+@dataclass(frozen=True)
+class _Forecast:
+    """The learned model's view of the unmeasured candidates `at` (pool indices), one entry each."""
+    at: np.ndarray
+    pred: np.ndarray  # predicted speed, in the metric's unit
+    sd: np.ndarray  # its uncertainty, in log space
+    ucb: np.ndarray  # prediction + kappa sd: whether it could beat the best
+    taught: np.ndarray  # what the runs taught on top of the prior (the residual's factor, unit change excluded)
+    unit: float  # the unit change from the prior's TFLOP/s/GPU to the metric's (1 for TFLOP/s)
+    basis: str  # what the prediction rests on, for the reasons
 
 
 class HeuristicStrategy(Strategy):
@@ -387,41 +399,69 @@ class HeuristicStrategy(Strategy):
         best = max(ok, key=self._speed)
         target = self._speed(best)
         noise = self._noise_sd()
-        rates = [(self._index[k], math.log(self._speed(o))) for k, o in reps.items() if k in self._index]
-        # what each component of the iteration costs here (EP all-to-all, pipeline bubble, ...): learned
-        # from every run, it re-orders the pool's prior; the residual corrects what it cannot express
-        tflops = self.metric.startswith("TFLOP/s")
-        self._speed_model.fit([i for i, _ in rates], [v for _, v in rates], level_sd=LEVEL_SD if tflops else None)
-        self._prior = self._speed_model.prior
-        learned = self._speed_model.learned()
-        learned = f"; {learned} learned" if learned else ""
-        measured = [(i, v - math.log(self._prior[i])) for i, v in rates]
+        learned = self._learn_speed(reps)
         again = self._surprise(reps, target, noise)
         if again is not None:
             return again
         at = np.array([i for i, k in enumerate(self._keys) if k not in tried], dtype=int)
         if not len(at):
             return self._confirm(reps, best, noise, "every candidate of the pool was measured")
-        # The prior is in model TFLOP/s/GPU. Scored in another unit (s/it, samples/s, a regex's number),
-        # the residuals share one large offset, the unit conversion: take it out before the correction
-        # is learned (whose shrinkage toward the prior would otherwise predict nonsense) and put it back.
-        offset = 0.0 if tflops else float(np.mean([r for _, r in measured]))
-        mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at,
-                                                 noise=noise)
-        mean = mean + offset
-        if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
-            sd = np.sqrt(sd ** 2 + self._speed_model.sd[at] ** 2)
-        sd, contradicted = self._widened(sd, reps, at)
-        pred = self._prior[at] * np.exp(mean)
-        ucb = self._prior[at] * np.exp(mean + self.kappa * sd)
-        probe = None
+        fc = self._forecast(reps, at, noise, learned)
         # Of the candidates that could beat the best, the one with the best expected outcome first: near
         # the memory limit a launch may run out of memory and teach nothing about speed, so a candidate's
         # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
-        hopeful = np.flatnonzero(ucb > target * (1 + self.min_gain))
+        hopeful = np.flatnonzero(fc.ucb > target * (1 + self.min_gain))
         risk = np.array([self._risk(self._pool[at[j]])[0] for j in hopeful])
         risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
-        order = hopeful[np.argsort(-((1 - risk) * ucb[hopeful] + risk * target), kind="stable")]
+        order = hopeful[np.argsort(-((1 - risk) * fc.ucb[hopeful] + risk * target), kind="stable")]
+        return self._walk(order, risk_of, fc, best, tried, reps, noise)
+
+    def _learn_speed(self, reps: dict[tuple, Outcome]) -> str:
+        """Refit what each component of the iteration costs here (EP all-to-all, pipeline bubble, ...) to
+        every measured run; it re-orders the pool's prior (`_prior`), the residual corrects what it cannot
+        express. Returns what was learned, for the reasons."""
+        rates = [(self._index[k], math.log(self._speed(o))) for k, o in reps.items() if k in self._index]
+        level_sd = LEVEL_SD if self.metric.startswith("TFLOP/s") else None
+        self._speed_model.fit([i for i, _ in rates], [v for _, v in rates], level_sd=level_sd)
+        self._prior = self._speed_model.prior
+        learned = self._speed_model.learned()
+        return f"; {learned} learned" if learned else ""
+
+    def _forecast(self, reps: dict[tuple, Outcome], at: np.ndarray, noise: float, learned: str) -> _Forecast:
+        """The learned model's prediction, uncertainty and optimistic value for the unmeasured candidates `at`."""
+        measured = [(self._index[k], math.log(self._speed(o)) - math.log(self._prior[self._index[k]]))
+                    for k, o in reps.items() if k in self._index]
+        # The prior is in model TFLOP/s/GPU. Scored in another unit (s/it, samples/s, a regex's number),
+        # the residuals share one large offset, the unit conversion: take it out before the correction
+        # is learned (whose shrinkage toward the prior would otherwise predict nonsense) and put it back.
+        offset = 0.0 if self.metric.startswith("TFLOP/s") else float(np.mean([r for _, r in measured]))
+        mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at,
+                                                 noise=noise)
+        if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
+            sd = np.sqrt(sd ** 2 + self._speed_model.sd[at] ** 2)
+        sd, contradicted = self._widened(sd, reps, at)
+        n = len(measured)
+        basis = (f"learned from {n} run{'' if n == 1 else 's'}{'' if trust == 1 else f', prior trusted 1/{trust:g}'}"
+                 f"{learned}{contradicted}")
+        return _Forecast(at=at, pred=self._prior[at] * np.exp(mean + offset), sd=sd,
+                         ucb=self._prior[at] * np.exp(mean + offset + self.kappa * sd), taught=np.exp(mean),
+                         unit=math.exp(offset), basis=basis)
+
+    def _why(self, j: int, fc: _Forecast, best: Outcome) -> str:
+        cand = self._pool[fc.at[j]]
+        # in the metric's own unit: the prior after the unit change, times what the runs taught
+        ratio = float(fc.taught[j]) ** (1 if self.direction == "maximize" else -1)
+        scale = f"{ratio:.2f}" if 0.01 <= ratio < 100 else f"{ratio:.3g}"
+        return (f"{self._role(cand, best.candidate)}: predicted {self._shown(fc.pred[j])} +-{100 * fc.sd[j]:.0f}% "
+                f"(prior {self._shown(self._prior[fc.at[j]] * fc.unit)} {self.metric} x {scale} {fc.basis}) "
+                f"could beat best {self._shown(self._speed(best))}")
+
+    def _walk(self, order: np.ndarray, risk_of: dict[int, float], fc: _Forecast, best: Outcome, tried: set[tuple],
+              reps: dict[tuple, Outcome], noise: float) -> Proposal | None:
+        """The first of the hopeful candidates (`order`) the rules and the memory screen let run; else a
+        memory probe, the best's tests, a layout never measured, or the best's confirmation."""
+        at, pred, target = fc.at, fc.pred, self._speed(best)
+        probe = None
         ruled = unfit = 0
         staked: tuple[Proposal, int] | None = None  # a launch that could spend the last OOM, while a safer one is sought
         for j in order:
@@ -431,14 +471,7 @@ class HeuristicStrategy(Strategy):
                 continue
             r = risk_of[int(j)]
             fits, mem = self._stake(*self._fits(cand, self.fit), r, float(pred[j]) / target)
-            # in the metric's own unit: the prior after the unit change (offset), times what the runs taught
-            ratio = math.exp(mean[j] - offset) ** (1 if self.direction == "maximize" else -1)
-            scale = f"{ratio:.2f}" if 0.01 <= ratio < 100 else f"{ratio:.3g}"
-            why = (f"{self._role(cand, best.candidate)}: predicted {self._shown(pred[j])} +-{100 * sd[j]:.0f}% "
-                   f"(prior {self._shown(self._prior[at[j]] * math.exp(offset))} {self.metric} x {scale} "
-                   f"learned from {len(measured)} run{'' if len(measured) == 1 else 's'}"
-                   f"{'' if trust == 1 else f', prior trusted 1/{trust:g}'}{learned}{contradicted}) could beat best "
-                   f"{self._shown(target)}")
+            why = self._why(int(j), fc, best)
             if fits:
                 if staked is None:
                     first = self._before_last_oom(cand, best, tried, reps)
@@ -458,15 +491,8 @@ class HeuristicStrategy(Strategy):
                             f"({100 * risk_of[staked[1]]:.0f} %) on {_at(staked[0].fixed)} {_rec_desc(staked[0].fixed)}")
                 k = self._safe_side(cand, r, target * (1 + self.min_gain), at, pred, tried, reps)
                 if k is not None:
-                    safer = self._pool[at[k]]
-                    self._predicted[self._keys[at[k]]] = (float(pred[k]), float(sd[k]))
-                    return Proposal(dict(safer), why=(
-                        f"{self._role(safer, best.candidate)}: predicted {self._shown(pred[k])} could beat best "
-                        f"{self._shown(target)}; {self._fits(safer, self.fit)[1]}; the memory edge approached from "
-                        f"the safe side: first, with one OOM of max_ooms={self.max_ooms} left, the variant of "
-                        f"{_rec_desc(cand)} (a {100 * r:.0f} % risk of running out) needing least risk "
-                        f"({100 * self._risk(safer)[0]:.0f} %) that is still predicted to beat the best"))
-                self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
+                    return self._from_safe_side(k, cand, r, fc, best)
+                self._predicted[self._keys[at[j]]] = (float(pred[j]), float(fc.sd[j]))
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
             r = max(r, 0.01)
@@ -479,10 +505,20 @@ class HeuristicStrategy(Strategy):
                                                  f"running out of memory for the best expected gain per risk"))
         if staked is not None:
             proposal, j = staked
-            self._predicted[self._keys[at[j]]] = (float(pred[j]), float(sd[j]))
+            self._predicted[self._keys[at[j]]] = (float(pred[j]), float(fc.sd[j]))
             return proposal
         found = self._before_stopping(best, tried, reps, probe[1] if probe else None)
-        return found or self._confirm(reps, best, noise, self._nothing_left(len(hopeful), ruled, unfit, target))
+        return found or self._confirm(reps, best, noise, self._nothing_left(len(order), ruled, unfit, target))
+
+    def _from_safe_side(self, k: int, cand: dict, r: float, fc: _Forecast, best: Outcome) -> Proposal:
+        safer = self._pool[fc.at[k]]
+        self._predicted[self._keys[fc.at[k]]] = (float(fc.pred[k]), float(fc.sd[k]))
+        return Proposal(dict(safer), why=(
+            f"{self._role(safer, best.candidate)}: predicted {self._shown(fc.pred[k])} could beat best "
+            f"{self._shown(self._speed(best))}; {self._fits(safer, self.fit)[1]}; the memory edge approached from "
+            f"the safe side: first, with one OOM of max_ooms={self.max_ooms} left, the variant of "
+            f"{_rec_desc(cand)} (a {100 * r:.0f} % risk of running out) needing least risk "
+            f"({100 * self._risk(safer)[0]:.0f} %) that is still predicted to beat the best"))
 
     def _before_stopping(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
                          probe: Proposal | None) -> Proposal | None:
