@@ -416,12 +416,17 @@ class HeuristicStrategy(Strategy):
         order = hopeful[np.argsort(-((1 - risk) * fc.ucb[hopeful] + risk * target), kind="stable")]
         return self._walk(order, risk_of, fc, best, tried, reps, noise)
 
+    @property
+    def _tflops(self) -> bool:
+        """Scored in the prior's own unit (TFLOP/s/GPU), not s/it, samples/s or a regex's number."""
+        return self.metric.startswith("TFLOP/s")
+
     def _learn_speed(self, reps: dict[tuple, Outcome]) -> str:
         """Refit what each component of the iteration costs here (EP all-to-all, pipeline bubble, ...) to
         every measured run; it re-orders the pool's prior (`_prior`), the residual corrects what it cannot
         express. Returns what was learned, for the reasons."""
         rates = [(self._index[k], math.log(self._speed(o))) for k, o in reps.items() if k in self._index]
-        level_sd = LEVEL_SD if self.metric.startswith("TFLOP/s") else None
+        level_sd = LEVEL_SD if self._tflops else None
         self._speed_model.fit([i for i, _ in rates], [v for _, v in rates], level_sd=level_sd)
         self._prior = self._speed_model.prior
         learned = self._speed_model.learned()
@@ -434,7 +439,7 @@ class HeuristicStrategy(Strategy):
         # The prior is in model TFLOP/s/GPU. Scored in another unit (s/it, samples/s, a regex's number),
         # the residuals share one large offset, the unit conversion: take it out before the correction
         # is learned (whose shrinkage toward the prior would otherwise predict nonsense) and put it back.
-        offset = 0.0 if self.metric.startswith("TFLOP/s") else float(np.mean([r for _, r in measured]))
+        offset = 0.0 if self._tflops else float(np.mean([r for _, r in measured]))
         mean, sd, trust = self._residual.predict([i for i, _ in measured], [r - offset for _, r in measured], at,
                                                  noise=noise)
         if self._speed_model.sd.any():  # what the fitted multipliers leave uncertain adds to the residual's
@@ -492,7 +497,7 @@ class HeuristicStrategy(Strategy):
                 k = self._safe_side(cand, r, target * (1 + self.min_gain), at, pred, tried, reps)
                 if k is not None:
                     return self._from_safe_side(k, cand, r, fc, best)
-                self._predicted[self._keys[at[j]]] = (float(pred[j]), float(fc.sd[j]))
+                self._remember(fc, int(j))
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
             r = max(r, 0.01)
@@ -505,14 +510,18 @@ class HeuristicStrategy(Strategy):
                                                  f"running out of memory for the best expected gain per risk"))
         if staked is not None:
             proposal, j = staked
-            self._predicted[self._keys[at[j]]] = (float(pred[j]), float(fc.sd[j]))
+            self._remember(fc, int(j))
             return proposal
         found = self._before_stopping(best, tried, reps, probe[1] if probe else None)
         return found or self._confirm(reps, best, noise, self._nothing_left(len(order), ruled, unfit, target))
 
+    def _remember(self, fc: _Forecast, j: int) -> None:
+        """What a launch was predicted at, for `_surprise` and the missed-prediction count once it ran."""
+        self._predicted[self._keys[fc.at[j]]] = (float(fc.pred[j]), float(fc.sd[j]))
+
     def _from_safe_side(self, k: int, cand: dict, r: float, fc: _Forecast, best: Outcome) -> Proposal:
         safer = self._pool[fc.at[k]]
-        self._predicted[self._keys[fc.at[k]]] = (float(fc.pred[k]), float(fc.sd[k]))
+        self._remember(fc, k)
         return Proposal(dict(safer), why=(
             f"{self._role(safer, best.candidate)}: predicted {self._shown(fc.pred[k])} could beat best "
             f"{self._shown(self._speed(best))}; {self._fits(safer, self.fit)[1]}; the memory edge approached from "
