@@ -99,6 +99,28 @@ def test_analyze_reads_a_study_in_a_read_only_folder(tmp_path):
     assert not (db.parent / "report.html").exists()
 
 
+def test_a_finished_study_leaves_its_db_whole_and_unmerged_writes_are_one_line_when_read_only(tmp_path):
+    # A sqlite study's writes sit in its -wal file until the last connection closes; a read-only reader
+    # cannot merge them and saw a db without tables (CI: "attempt to write a readonly database"). A study
+    # closes its connections when it ends, so nothing is left to merge; a -wal that is (a study still
+    # running, or killed) is one line when the folder is read-only.
+    import sqlite3
+    db = _study(tmp_path)
+    assert not db.with_name("study.db-wal").exists()
+    conn = sqlite3.connect(db)  # a study still writing: its -wal holds what the file does not
+    try:
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute("CREATE TABLE pending (x)")
+        conn.commit()
+        assert db.with_name("study.db-wal").stat().st_size > 0
+        r = subprocess.run([*_read_only(db.parent), sys.executable, "-m", "zenithtune.cli", "analyze", "--no-plots",
+                            str(db)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        conn.close()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{db} has writes not yet merged from study.db-wal" in r.stderr and "copy the folder" in r.stderr, r.stderr
+
+
 # --- items 3 and 4: a tuned file is small and holds plain values; nothing in it resolves -------------
 def test_a_huge_tuned_file_is_refused_before_it_is_parsed(tmp_path):
     _tuned(tmp_path, "big", "n_gpus: 8\ngbs: 64\nparams: {tp: 2}\nresult:\n"

@@ -23,6 +23,7 @@ Several tuner processes ("workers") may share one study; three things make that 
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -122,6 +123,19 @@ def open_storage(url: str, heartbeat_interval: int | None = None,
     return storage
 
 
+@atexit.register
+def close_storages() -> None:
+    """Close the database connections this process opened. A sqlite study's writes sit in its -wal file
+    until the last connection closes, which merges them into study.db; left to the interpreter's exit,
+    that close did not always happen (CI: a study's db read from a read-only folder then held no tables,
+    as a read-only reader cannot merge the -wal)."""
+    for storage in _STORAGES.values():
+        engine = getattr(storage, "engine", None)
+        if engine is not None:
+            engine.dispose()
+    _STORAGES.clear()
+
+
 def _journal(path: Path) -> optuna.storages.BaseStorage:
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
@@ -212,6 +226,12 @@ def _sqlite_uri(path: Path) -> str:
     return f"file:{quote(str(path))}?mode=ro&immutable=1"
 
 
+def _unmerged(path: Path) -> bool:
+    """Whether a sqlite file has writes still in its -wal file (an immutable read would not see them)."""
+    wal = path.with_name(path.name + "-wal")
+    return wal.is_file() and wal.stat().st_size > 0
+
+
 def _sqlite_check(uri: str, path: Path) -> None:
     import sqlite3
 
@@ -258,7 +278,12 @@ def load_existing(value: str, study_name: str | None = None) -> tuple[optuna.Stu
     if path is not None and not path.is_file():
         raise UserError(f"{value}: no such study database ({path}); studies are in outputs/study_*/study.db")
     sqlite = db_path(url)
-    storage = open_storage(url, read_only=sqlite is not None and not writable(sqlite))
+    read_only = sqlite is not None and not writable(sqlite)
+    if sqlite is not None and read_only and _unmerged(sqlite):
+        raise UserError(f"{sqlite} has writes not yet merged from {sqlite.name}-wal (a study still running, or "
+                        f"one that was killed), which a read-only folder cannot merge: copy the folder somewhere "
+                        f"writable and read the copy, or let the study finish")
+    storage = open_storage(url, read_only=read_only)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage=storage)]
     if not names:
         raise UserError(f"{where(url)} holds no study: run `zenithtune optimize` (or python -m zenithtune -m) first")
