@@ -262,6 +262,25 @@ def test_staged_promotion_looks_past_a_recompute_module_set():
         {k: v for k, v in heavy.items() if k in ("tp", "pp", "cp", "mbs")}
 
 
+def test_staged_promotion_interleaves_a_pipelined_layout_stage1_ran_at_vp1():
+    # stage 1 runs every pipelined layout at vp=1; its 1F1B bubble, (p-1)/m, is work interleaving takes
+    # out ((p-1)/(v m), MEGATRON.md), so a promotion weighs the virtual pipeline size as it weighs recompute
+    # (robustness.py, the 128-expert MoE on the plain trainer: the optimum is a runner-up layout interleaved)
+    from zenithtune.strategies._staged import _layout
+    job = make_job("staged_blackbox")
+    st = job.strategy
+    st.setup(job, [])
+    plain = next(c for c in job.space.walk() if c["tp"] == 1 and c.get("pp") == 2 and c.get("vp") == 1
+                 and c["cp"] == 1 and c["mbs"] == 1 and c["recompute_granularity"] == "none")
+    st._best[_layout(job.space, plain)] = Outcome(candidate=plain, state="complete", value=100.0, launched=True,
+                                                 trial_number=0)
+    step = st._promotion(st.rate(100.0), {job.space.key(plain)})
+    # 8 GPUs, gbs 32, mbs 1, dp 4: 8 micro-batches, a bubble of 1/8 at vp 1, 1/48 at vp 6
+    assert step is not None and step.fixed == {**plain, "vp": 6}
+    assert "stage 2, promotion: layout tp=1 pp=2 cp=1" in step.why and ", vp 1->6 it does less work" in step.why
+    assert "could reach 110.2, 10 % better" in step.why
+
+
 def test_staged_probes_past_the_memory_screen_at_most_memory_probes_times():
     # tp1 cp1 without recompute is predicted at 13.2 GB, past a 12 GB screen: within probe_reach=0.2 it
     # is launched once on purpose (the simulated A100 has room) and becomes the best
@@ -305,10 +324,11 @@ def test_staged_tries_the_next_mbs_of_the_best_before_tpe():
     job = make_job("staged_blackbox", extra=("stage1_trials=6",))
     loop, _ = study(job, 12)
     runs = launched(loop)
-    stage1_best = max((o for o in runs[:6] if o.ok), key=lambda o: o.value)
-    first = runs[6]
-    assert first.why.startswith("stage 2, MBS next to the best")
-    assert first.candidate == {**stage1_best.candidate, "mbs": 2}  # the same recompute, twice the micro-batch
+    # after the promotions (a layout at lighter settings: here tp1 pp2 interleaved), before TPE
+    i = next(i for i, o in enumerate(runs) if o.why.startswith("stage 2, MBS next to the best"))
+    assert i >= 6 and all(o.why.startswith("stage 2, promotion") for o in runs[6:i])
+    best = max((o for o in runs[:i] if o.ok), key=lambda o: o.value)
+    assert runs[i].candidate == {**best.candidate, "mbs": 2}  # the same recompute, twice the micro-batch
 
 
 def test_staged_uses_the_study_sampler_through_ask_and_tell():

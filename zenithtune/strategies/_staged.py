@@ -263,6 +263,21 @@ class StagedBlackboxStrategy(Strategy):
             extra += FULL_RECOMPUTE_WORK * share
         return 1.0 + extra
 
+    def _cost(self, c: dict) -> float:
+        """A step's time relative to one without recompute and without a pipeline bubble: `_work` times
+        the 1F1B bubble, 1 + (p-1)/(v m) (MEGATRON.md; m micro-batches per pipeline, v the virtual
+        pipeline size), so a promotion weighs interleaving as it weighs recompute. Stage 1 measures
+        every pipelined layout at vp=1; without this, vp came only from TPE on the top layouts
+        (robustness.py, the 128-expert MoE on the plain trainer: the optimum is a runner-up layout
+        interleaved, with its overlaps on, 0.882)."""
+        pp = int(c.get("pp", 1) or 1)
+        if pp == 1:
+            return self._work(c)
+        ctx = self.ctx
+        dp = max(ctx.n_gpus // (int(c.get("tp", 1)) * pp * int(c.get("cp", 1) or 1)), 1)
+        m = max(ctx.gbs // (int(c.get("mbs", 1)) * dp), 1)
+        return self._work(c) * (1 + (pp - 1) / (int(c.get("vp") or 1) * m))
+
     def _screened(self, c: dict) -> str | None:
         """Why the study's memory screen would not launch `c` (None: it would)."""
         return self.judge.assess(c).predicted_oom
@@ -278,15 +293,17 @@ class StagedBlackboxStrategy(Strategy):
             and a.oom_risk <= self.probe_risk
 
     def _lighter(self, best: Outcome, tried: set[tuple]) -> tuple[dict | None, dict | None]:
-        """The lightest untried setting of `best`'s layout at its MBS that the screen admits and is
-        lighter than `best`'s, and the lightest one lighter still that only the screen hides."""
+        """The lightest untried setting of `best`'s layout at its MBS (recompute, overlap switches, virtual
+        pipeline size: `_cost`) that the screen admits and is lighter than `best`'s, and the lightest one
+        lighter still that only the screen hides."""
         b = best.candidate
-        rest = {k: v for k, v in b.items() if k not in (*RECOMPUTE_PARAMS, "vit_gradient_checkpointing", *SWITCH_PARAMS)}
+        rest = {k: v for k, v in b.items()
+                if k not in (*RECOMPUTE_PARAMS, "vit_gradient_checkpointing", "vp", *SWITCH_PARAMS)}
         same = [c for k, c in self._by_layout.get(_layout(self.space, b), {}).items()
                 if k not in tried and all(c.get(n) == v for n, v in rest.items())]
         hidden = None
-        for c in sorted(same, key=self._work):  # stable: the space's order breaks ties
-            if self._work(c) >= self._work(b):
+        for c in sorted(same, key=self._cost):  # stable: the space's order breaks ties
+            if self._cost(c) >= self._cost(b):
                 break
             if self._screened(c):
                 hidden = hidden or c
@@ -302,7 +319,7 @@ class StagedBlackboxStrategy(Strategy):
             light, hidden = self._lighter(o, tried)
             for c, probe in ((light, False), (hidden, True)):
                 if c is not None:
-                    options.append((self.rate(float(o.value)) * self._work(o.candidate) / self._work(c),  # type: ignore[arg-type]
+                    options.append((self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c),  # type: ignore[arg-type]
                                     probe, i, c, o))
         for rate, probe, _, c, o in sorted(options, key=lambda t: (t[1], -t[0], t[2])):
             gain = rate / incumbent - 1
@@ -312,7 +329,8 @@ class StagedBlackboxStrategy(Strategy):
                 continue
             desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
             why = (f"layout {desc} measured {o.value:.4g} with {_rec(o.candidate)} (trial {o.trial_number}); with "
-                   f"{_rec(c)} it does less work and could reach {self.rate(rate):.4g}, {100 * gain:.0f} % better "
+                   f"{_rec(c)}{_changed(o.candidate, c)} it does less work and could reach {self.rate(rate):.4g}, "
+                   f"{100 * gain:.0f} % better "
                    f"than the best ({self.rate(incumbent):.4g})")
             if probe:
                 return Proposal(dict(c), probe_memory=True, stage=SETTINGS_STAGE,
@@ -464,6 +482,13 @@ class StagedBlackboxStrategy(Strategy):
 def _layout(space, cand: dict) -> tuple:
     n = space.normalize(cand)
     return tuple((k, n[k]) for k in LAYOUT_PARAMS if k in n)
+
+
+def _changed(was: dict, now: dict) -> str:
+    """The virtual pipeline size and overlap switches `now` changes from `was`, as ", vp 1->3, ..."."""
+    parts = [f"vp {was.get('vp') or 1}->{now.get('vp') or 1}"] if (was.get("vp") or 1) != (now.get("vp") or 1) else []
+    parts += [f"{n} {'on' if now.get(n) else 'off'}" for n in SWITCH_PARAMS if bool(was.get(n)) != bool(now.get(n))]
+    return "".join(f", {p}" for p in parts)
 
 
 def _rec(c: dict) -> str:
