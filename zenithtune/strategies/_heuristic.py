@@ -826,15 +826,17 @@ class HeuristicStrategy(Strategy):
 
     def _settle_best(self, best: Outcome, reps: dict[tuple, Outcome]) -> Proposal | None:
         """The best's tests go to its layout's neighbourhood, so which layout is the best is decided first:
-        a candidate of another layout that ran once and that the noise cannot tell from the best (within two
-        standard errors of the difference) is measured again (within `repeats`, less CONFIRM_RESERVE). On
+        once the best ran more than once, a candidate of another layout that ran once and that the noise
+        cannot tell from it (within two standard errors of the difference) is measured again (within `repeats`, less CONFIRM_RESERVE). On
         the stand-in Qwen3 study with noise the first run came in 1.5x slow (an outlier), a neighbour's
         three runs beat it by 0.2 % and took every test; the optimum, one CP step from the first layout,
         was never measured (0.566)."""
         if self._repeats_left() <= min(CONFIRM_RESERVE, self.repeats // 3):
             return None
         counts, noise = self._counts(), self._noise_sd()
-        lay, nb = _lay(best.candidate, vp=False), max(counts.get(self.space.key(best.candidate), 0), 1)
+        lay, nb = _lay(best.candidate, vp=False), counts.get(self.space.key(best.candidate), 0)
+        if nb < 2:  # a best that ran once is no firmer than its rival: it is confirmed before the study stops
+            return None
         near = [o for k, o in reps.items() if o is not best and counts.get(k, 0) == 1
                 and _lay(o.candidate, vp=False) != lay
                 and self._speed(best) / self._speed(o) - 1 < 2 * noise * math.sqrt(1 / nb + 1)]
