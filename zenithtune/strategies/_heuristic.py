@@ -632,6 +632,11 @@ class HeuristicStrategy(Strategy):
     def _repeats_left(self) -> int:
         return self.repeats - sum(1 for o in self.history if o.launched and o.repeat_of is not None)
 
+    def _in_reserve(self) -> bool:
+        """Are the repeats left only those kept for the confirmations before stopping (CONFIRM_RESERVE,
+        at most a third of `repeats`)?"""
+        return self._repeats_left() <= min(CONFIRM_RESERVE, self.repeats // 3)
+
     def _again(self, o: Outcome, why: str) -> Proposal:
         return Proposal(dict(o.candidate), why=f"measure again (noise): {why}", repeat=True)
 
@@ -640,7 +645,7 @@ class HeuristicStrategy(Strategy):
         outlier hides what could beat the best, a fast one crowns a loser) or reversing a micro-batch
         ladder (which ends it) is measured again first, within the `repeats` budget less what is kept
         for the confirmations before stopping (CONFIRM_RESERVE)."""
-        if self._repeats_left() <= min(CONFIRM_RESERVE, self.repeats // 3):
+        if self._in_reserve():
             return None
         counts = self._counts()
         for k, o in reversed(list(reps.items())):
@@ -840,7 +845,7 @@ class HeuristicStrategy(Strategy):
         the stand-in Qwen3 study with noise the first run came in 1.5x slow (an outlier), a neighbour's
         three runs beat it by 0.2 % and took every test; the optimum, one CP step from the first layout,
         was never measured (0.566)."""
-        if self._repeats_left() <= min(CONFIRM_RESERVE, self.repeats // 3):
+        if self._in_reserve():
             return None
         counts, noise = self._counts(), self._noise_sd()
         lay, nb = _lay(best.candidate, vp=False), counts.get(self.space.key(best.candidate), 0)

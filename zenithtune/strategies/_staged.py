@@ -270,13 +270,10 @@ class StagedBlackboxStrategy(Strategy):
         every pipelined layout at vp=1; without this, vp came only from TPE on the top layouts
         (robustness.py, the 128-expert MoE on the plain trainer: the optimum is a runner-up layout
         interleaved, with its overlaps on, 0.882)."""
-        pp = int(c.get("pp", 1) or 1)
-        if pp == 1:
+        lay = self.space.layout(c)
+        if lay.pp == 1:
             return self._work(c)
-        ctx = self.ctx
-        dp = max(ctx.n_gpus // (int(c.get("tp", 1)) * pp * int(c.get("cp", 1) or 1)), 1)
-        m = max(ctx.gbs // (int(c.get("mbs", 1)) * dp), 1)
-        return self._work(c) * (1 + (pp - 1) / (int(c.get("vp") or 1) * m))
+        return self._work(c) * (1 + (lay.pp - 1) / ((lay.vpp_size or 1) * max(lay.microbatches, 1)))
 
     def _screened(self, c: dict) -> str | None:
         """Why the study's memory screen would not launch `c` (None: it would)."""
