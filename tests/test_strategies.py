@@ -255,7 +255,7 @@ def test_staged_promotion_looks_past_a_recompute_module_set():
     loop, _ = study(job, 3)
     o = launched(loop)[0]
     heavy = job.space.normalize({**o.candidate, "recompute_granularity": "selective", "recompute_modules": "mlp"})
-    light, hidden = job.strategy._lighter(dataclasses.replace(o, candidate=heavy), set())
+    light, hidden = job.strategy._lighter(dataclasses.replace(o, candidate=heavy), set(), 0.0)
     found = light or hidden
     assert found is not None and job.strategy._work(found) < job.strategy._work(heavy)
     assert {k: v for k, v in found.items() if k in ("tp", "pp", "cp", "mbs")} == \

@@ -510,6 +510,13 @@ class HeuristicStrategy(Strategy):
                                                  f"running out of memory for the best expected gain per risk"))
         if staked is not None:
             proposal, j = staked
+            # staked, the edge is still approached from the safe side: the variant of its layout and MBS
+            # carrying the least risk that is predicted above the bar (the 64-expert MoE on the stand-in:
+            # MBS 2 with selective recompute spent the last OOM at 46 %; full/block/7, 33 %, the optimum,
+            # was never launched: 0.925)
+            k = self._safe_side(proposal.fixed, risk_of[int(j)], target * (1 + self.min_gain), at, pred, tried, reps)
+            if k is not None:
+                return self._from_safe_side(k, proposal.fixed, risk_of[int(j)], fc, best)
             self._remember(fc, int(j))
             return proposal
         found = self._before_stopping(best, tried, reps, probe[1] if probe else None)

@@ -275,9 +275,20 @@ class StagedBlackboxStrategy(Strategy):
             return self._work(c)
         return self._work(c) * (1 + (lay.pp - 1) / ((lay.vpp_size or 1) * max(lay.microbatches, 1)))
 
+    def _spent(self) -> bool:
+        """Has the study spent its `max_ooms`, with a run that fit to prove fits from? Then the loop
+        launches only what is proven to fit (`StudyLoop.proof_of_fit`)."""
+        return self._ooms() >= self.max_ooms and any(o.ok for o in self.history)
+
     def _screened(self, c: dict) -> str | None:
-        """Why the study's memory screen would not launch `c` (None: it would)."""
-        return self.judge.assess(c).predicted_oom
+        """Why the study's memory screen would not launch `c` (None: it would); once the OOMs are spent,
+        what no run proves fits is screened too."""
+        a = self.judge.assess(c)
+        if a.predicted_oom:
+            return a.predicted_oom
+        if self._spent() and a.fits_surely is None:
+            return f"not proven to fit after {self._ooms()} OOM (max_ooms={self.max_ooms})"
+        return None
 
     def _may_probe(self, c: dict) -> bool:
         """Once per `memory_probes`, never after an OOM, only just past the screen (`probe_reach`) and
@@ -289,31 +300,44 @@ class StagedBlackboxStrategy(Strategy):
         return a.predicted_gb is not None and a.predicted_gb <= self.judge.capacity_gb * (1 + self.probe_reach) \
             and a.oom_risk <= self.probe_risk
 
-    def _lighter(self, best: Outcome, tried: set[tuple]) -> tuple[dict | None, dict | None]:
+    def _lighter(self, best: Outcome, tried: set[tuple], incumbent: float) -> tuple[dict | None, dict | None]:
         """The lightest untried setting of `best`'s layout at its MBS (recompute, overlap switches, virtual
         pipeline size: `_cost`) that the screen admits and is lighter than `best`'s, and the lightest one
-        lighter still that only the screen hides."""
+        lighter still that only the screen hides. With one OOM of `max_ooms` left, the admitted setting is
+        the one carrying the least risk of running out among those still plausibly `probe_gain` better than
+        `incumbent` (the best's rate): the memory edge is approached from the safe side, since after that
+        OOM only proven fits run, and a run that fit proves its neighbours (qwen3-30b-a3b-8xh100 in
+        search.py: the lightest, selective/moe with vp 8 and TP overlap on at once, spent the last OOM
+        and every later proposal was unproven: 0.872 after 26 of 50 launches)."""
         b = best.candidate
         rest = {k: v for k, v in b.items()
                 if k not in (*RECOMPUTE_PARAMS, "vit_gradient_checkpointing", "vp", *SWITCH_PARAMS)}
         same = [c for k, c in self._by_layout.get(_layout(self.space, b), {}).items()
                 if k not in tried and all(c.get(n) == v for n, v in rest.items())]
-        hidden = None
+        hidden = light = None
+        safest: tuple[float, dict] | None = None
+        edge = self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
         for c in sorted(same, key=self._cost):  # stable: the space's order breaks ties
             if self._cost(c) >= self._cost(b):
                 break
             if self._screened(c):
                 hidden = hidden or c
                 continue
-            return c, hidden
-        return None, hidden
+            light = light or c
+            if not edge:
+                break
+            rate = self.rate(float(best.value)) * self._cost(b) / self._cost(c)  # type: ignore[arg-type]
+            risk = self.judge.assess(c).oom_risk
+            if rate >= incumbent * (1 + self.probe_gain) and (safest is None or risk < safest[0]):
+                safest = (risk, c)
+        return (safest[1] if safest else light), hidden
 
     def _promotion(self, incumbent: float, tried: set[tuple]) -> Proposal | None:
         """Steps 1 and 2 of stage 2 (module docstring): the lightest admissible setting of the layout
         that plausibly beats the best by the most, else a memory probe."""
         options = []  # (plausible rate, is a probe, order, candidate, layout's best)
         for i, o in enumerate(self._best.values()):
-            light, hidden = self._lighter(o, tried)
+            light, hidden = self._lighter(o, tried, incumbent)
             for c, probe in ((light, False), (hidden, True)):
                 if c is not None:
                     options.append((self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c),  # type: ignore[arg-type]
@@ -456,6 +480,8 @@ class StagedBlackboxStrategy(Strategy):
             step = self._promotion(rate, tried) or self._neighbour(best, tried) or self._layout_step(best)
             if step is not None:
                 return step
+        if best is not None and self._spent():
+            return self._proven(best, pending)
         ranked = sorted(((lay, o) for lay, o in self._best.items() if self._untried(lay)),
                         key=lambda kv: self.rate(float(kv[1].value)), reverse=True)  # type: ignore[arg-type]
         if not ranked:
@@ -474,6 +500,40 @@ class StagedBlackboxStrategy(Strategy):
         tuned = "mbs/vp/recompute" if self.space.applies_vp(dict(lay)) else "mbs/recompute"
         return Proposal(dict(lay), why=f"stage 2: TPE tunes {tuned} on layout #{i + 1} {desc} "
                         f"(best so far {o.value:.1f})", stage=SETTINGS_STAGE, max_risk=self._stake(0.0))
+
+    def _proven(self, best: Outcome, pending: Sequence[dict]) -> Proposal | None:
+        """Step 5 once the study spent its `max_ooms`: TPE would draw settings no run proves fit, which
+        the loop refuses one after another until the study stops with launches unused (search.py,
+        qwen3-30b-a3b-8xh100: 26 of 50). Instead, of the untried settings of the measured layouts that a
+        run that fit proves fit, the one that plausibly does best: its layout's best times the work that
+        setting saves (`_cost`). Only settings plausibly `min_gain` better than the best, and those of the
+        `top_layouts` best layouts (where TPE would have searched: a larger MBS saves no work the cost
+        counts), are judged: proving is dear, and a setting of a slow layout that saves no work is no
+        bet. When none is proven, the study stops and says so."""
+        tried = self.tried_keys(pending)
+        bar = self.rate(float(best.value)) * (1 + self.min_gain)  # type: ignore[arg-type]
+        top = {lay for lay, _ in sorted(self._best.items(), key=lambda kv: -self.rate(float(kv[1].value)))  # type: ignore[arg-type]
+               [: self.top_layouts]}
+        ranked = sorted(((self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c), i, c, o)  # type: ignore[arg-type]
+                         for i, (lay, o) in enumerate(self._best.items())
+                         for k, c in self._by_layout.get(lay, {}).items() if k not in tried),
+                        key=lambda t: (-t[0], t[1]))
+        for rate, _, c, o in ranked:
+            if rate <= bar and _layout(self.space, c) not in top:
+                continue
+            proof = self.judge.assess(c).fits_surely
+            if proof is None:
+                continue
+            desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
+            return Proposal(dict(c), stage=SETTINGS_STAGE,
+                            why=f"stage 2, proven fit after {self._ooms()} OOM (max_ooms={self.max_ooms}): layout "
+                                f"{desc} at mbs {c.get('mbs', 1)} with {_rec(c)}{_changed(o.candidate, c)} could "
+                                f"reach {self.rate(rate):.4g} by the work it saves over trial {o.trial_number}; "
+                                f"{proof}")
+        self.stop_reason = (f"the study spent its max_ooms={self.max_ooms}: no untried setting of a measured "
+                            f"layout that could beat the best by {100 * self.min_gain:g} % (by the work it saves), "
+                            f"nor of the {self.top_layouts} best layouts, is proven to fit")
+        return None
 
 
 def _layout(space, cand: dict) -> tuple:
