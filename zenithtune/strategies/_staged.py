@@ -300,54 +300,68 @@ class StagedBlackboxStrategy(Strategy):
         return a.predicted_gb is not None and a.predicted_gb <= self.judge.capacity_gb * (1 + self.probe_reach) \
             and a.oom_risk <= self.probe_risk
 
-    def _lighter(self, best: Outcome, tried: set[tuple], incumbent: float) -> tuple[dict | None, dict | None]:
-        """The lightest untried setting of `best`'s layout at its MBS (recompute, overlap switches, virtual
-        pipeline size: `_cost`) that the screen admits and is lighter than `best`'s, and the lightest one
-        lighter still that only the screen hides. With one OOM of `max_ooms` left, the admitted setting is
-        the one carrying the least risk of running out among those still plausibly `probe_gain` better than
-        `incumbent` (the best's rate): the memory edge is approached from the safe side, since after that
-        OOM only proven fits run, and a run that fit proves its neighbours (qwen3-30b-a3b-8xh100 in
-        search.py: the lightest, selective/moe with vp 8 and TP overlap on at once, spent the last OOM
-        and every later proposal was unproven: 0.872 after 26 of 50 launches)."""
+    def _lighter_settings(self, best: Outcome, tried: set[tuple]) -> list[dict]:
+        """The untried settings of `best`'s layout at its MBS (recompute, overlap switches, virtual pipeline
+        size) lighter than `best`'s (`_cost`), the lightest first (stable: the space's order breaks ties)."""
         b = best.candidate
         rest = {k: v for k, v in b.items()
                 if k not in (*RECOMPUTE_PARAMS, "vit_gradient_checkpointing", "vp", *SWITCH_PARAMS)}
         same = [c for k, c in self._by_layout.get(_layout(self.space, b), {}).items()
-                if k not in tried and all(c.get(n) == v for n, v in rest.items())]
-        hidden = light = None
-        safest: tuple[float, dict] | None = None
-        edge = self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
-        for c in sorted(same, key=self._cost):  # stable: the space's order breaks ties
-            if self._cost(c) >= self._cost(b):
-                break
+                if k not in tried and all(c.get(n) == v for n, v in rest.items()) and self._cost(c) < self._cost(b)]
+        return sorted(same, key=self._cost)
+
+    def _lighter(self, best: Outcome, tried: set[tuple]) -> tuple[dict | None, dict | None]:
+        """The lightest of `_lighter_settings` that the screen admits, and the lightest one lighter still
+        that only the screen hides."""
+        hidden = None
+        for c in self._lighter_settings(best, tried):
             if self._screened(c):
                 hidden = hidden or c
                 continue
-            light = light or c
-            if not edge:
-                break
-            rate = self.rate(float(best.value)) * self._cost(b) / self._cost(c)  # type: ignore[arg-type]
+            return c, hidden
+        return None, hidden
+
+    def _safest(self, best: Outcome, tried: set[tuple], bar: float) -> dict | None:
+        """Of `_lighter_settings` that the screen admits and that plausibly reach `bar`, the one carrying the
+        least risk of running out of memory (ties: the lightest), or None."""
+        found: tuple[float, dict] | None = None
+        for c in self._lighter_settings(best, tried):
+            if self._screened(c) or self.rate(float(best.value)) * self._cost(best.candidate) / self._cost(c) < bar:  # type: ignore[arg-type]
+                continue
             risk = self.judge.assess(c).oom_risk
-            if rate >= incumbent * (1 + self.probe_gain) and (safest is None or risk < safest[0]):
-                safest = (risk, c)
-        return (safest[1] if safest else light), hidden
+            if found is None or risk < found[0]:
+                found = (risk, c)
+        return None if found is None else found[1]
 
     def _promotion(self, incumbent: float, tried: set[tuple]) -> Proposal | None:
         """Steps 1 and 2 of stage 2 (module docstring): the lightest admissible setting of the layout
-        that plausibly beats the best by the most, else a memory probe."""
+        that plausibly beats the best by the most, else a memory probe. With one OOM of `max_ooms` left,
+        that layout's setting carrying the least risk among those still plausibly `probe_gain` better than
+        the best goes instead: the memory edge is approached from the safe side, since after that OOM only
+        proven fits run, and a run that fit proves its neighbours (search.py, qwen3-30b-a3b-8xh100: the
+        lightest, selective/moe with vp 8 and TP overlap on at once, spent the last OOM, and every later
+        proposal was unproven: 0.872 after 26 of 50 launches). The layout is still chosen by its lightest
+        setting: chosen by the safest, another layout went first (robustness.py, Mixtral on the memory
+        trainer with noise: 0.988 -> 0.952)."""
         options = []  # (plausible rate, is a probe, order, candidate, layout's best)
         for i, o in enumerate(self._best.values()):
-            light, hidden = self._lighter(o, tried, incumbent)
+            light, hidden = self._lighter(o, tried)
             for c, probe in ((light, False), (hidden, True)):
                 if c is not None:
                     options.append((self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c),  # type: ignore[arg-type]
                                     probe, i, c, o))
+        edge = self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
         for rate, probe, _, c, o in sorted(options, key=lambda t: (t[1], -t[0], t[2])):
             gain = rate / incumbent - 1
             if gain <= (self.probe_gain if probe else self.min_gain):
                 continue
             if probe and not self._may_probe(c):
                 continue
+            safe = self._safest(o, tried, incumbent * (1 + self.probe_gain)) if edge and not probe else None
+            if safe is not None:
+                c = safe
+                rate = self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c)  # type: ignore[arg-type]
+                gain = rate / incumbent - 1
             desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
             why = (f"layout {desc} measured {o.value:.4g} with {_rec(o.candidate)} (trial {o.trial_number}); with "
                    f"{_rec(c)}{_changed(o.candidate, c)} it does less work and could reach {self.rate(rate):.4g}, "
@@ -358,6 +372,10 @@ class StagedBlackboxStrategy(Strategy):
                                 why=f"stage 2, memory probe: {why}; only the memory estimate hides "
                                 f"{_rec(c)} ({100 * self.judge.assess(c).oom_risk:.0f} % risk of running out of "
                                 f"memory), one launch tests it at its edge")
+            if safe is not None:
+                why += (f"; with one OOM of max_ooms={self.max_ooms} left, the setting carrying the least risk "
+                        f"({100 * self.judge.assess(c).oom_risk:.0f} %) that could still beat it by "
+                        f"{100 * self.probe_gain:g} %")
             return Proposal(dict(c), stage=SETTINGS_STAGE, max_risk=self._stake(gain),
                             why=f"stage 2, promotion: {why}, so it is measured")
         return None
