@@ -43,7 +43,9 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    out). Stage 1's budget covers few layouts of a large MoE space; this walks from where it landed.
 5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
    the `top_layouts` best measured layouts; the one holding the best result gets most proposals, the
-   runners-up every third. Both stages ask the same study, so TPE learns from every trial.
+   runners-up every third. Both stages ask the same study, so TPE learns from every trial. Once the
+   study has spent its `max_ooms`, the loop launches only proven fits, so instead of TPE's draws the
+   untried setting of a measured layout that a run proves fits and that plausibly does best (`_proven`).
 Steps 1-4 are asked again after every launch (a new best opens new ones); TPE gets what is left.
 """
 from __future__ import annotations
@@ -229,7 +231,7 @@ class StagedBlackboxStrategy(Strategy):
         stopped after one launch."""
         if not self._best:
             return None
-        return self.last_oom_risk if self.max_ooms > 0 and self._ooms() == self.max_ooms - 1 else None
+        return self.last_oom_risk if self._one_oom_left() else None
 
     def _stake(self, gain: float) -> float | None:
         """The OOM risk a stage-2 setting may carry: any (None) while more than one OOM of `max_ooms` is
@@ -280,6 +282,14 @@ class StagedBlackboxStrategy(Strategy):
         launches only what is proven to fit (`StudyLoop.proof_of_fit`)."""
         return self._ooms() >= self.max_ooms and any(o.ok for o in self.history)
 
+    def _plausible(self, o: Outcome, c: dict) -> float:
+        """What setting `c` of `o`'s layout could reach: `o`'s rate times the work `c` saves (`_cost`)."""
+        return self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c)  # type: ignore[arg-type]
+
+    def _one_oom_left(self) -> bool:
+        """The next OOM would spend the last `max_ooms` allows."""
+        return self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
+
     def _screened(self, c: dict) -> str | None:
         """Why the study's memory screen would not launch `c` (None: it would); once the OOMs are spent,
         what no run proves fits is screened too."""
@@ -326,7 +336,7 @@ class StagedBlackboxStrategy(Strategy):
         least risk of running out of memory (ties: the lightest), or None."""
         found: tuple[float, dict] | None = None
         for c in self._lighter_settings(best, tried):
-            if self._screened(c) or self.rate(float(best.value)) * self._cost(best.candidate) / self._cost(c) < bar:  # type: ignore[arg-type]
+            if self._screened(c) or self._plausible(best, c) < bar:
                 continue
             risk = self.judge.assess(c).oom_risk
             if found is None or risk < found[0]:
@@ -348,9 +358,8 @@ class StagedBlackboxStrategy(Strategy):
             light, hidden = self._lighter(o, tried)
             for c, probe in ((light, False), (hidden, True)):
                 if c is not None:
-                    options.append((self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c),  # type: ignore[arg-type]
-                                    probe, i, c, o))
-        edge = self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
+                    options.append((self._plausible(o, c), probe, i, c, o))
+        edge = self._one_oom_left()
         for rate, probe, _, c, o in sorted(options, key=lambda t: (t[1], -t[0], t[2])):
             gain = rate / incumbent - 1
             if gain <= (self.probe_gain if probe else self.min_gain):
@@ -360,7 +369,7 @@ class StagedBlackboxStrategy(Strategy):
             safe = self._safest(o, tried, incumbent * (1 + self.probe_gain)) if edge and not probe else None
             if safe is not None:
                 c = safe
-                rate = self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c)  # type: ignore[arg-type]
+                rate = self._plausible(o, c)
                 gain = rate / incumbent - 1
             desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
             why = (f"layout {desc} measured {o.value:.4g} with {_rec(o.candidate)} (trial {o.trial_number}); with "
@@ -532,8 +541,7 @@ class StagedBlackboxStrategy(Strategy):
         bar = self.rate(float(best.value)) * (1 + self.min_gain)  # type: ignore[arg-type]
         top = {lay for lay, _ in sorted(self._best.items(), key=lambda kv: -self.rate(float(kv[1].value)))  # type: ignore[arg-type]
                [: self.top_layouts]}
-        ranked = sorted(((self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c), i, c, o)  # type: ignore[arg-type]
-                         for i, (lay, o) in enumerate(self._best.items())
+        ranked = sorted(((self._plausible(o, c), i, c, o) for i, (lay, o) in enumerate(self._best.items())
                          for k, c in self._by_layout.get(lay, {}).items() if k not in tried),
                         key=lambda t: (-t[0], t[1]))
         for rate, _, c, o in ranked:
