@@ -72,6 +72,7 @@ class Strategy(ABC):
     """Base class of every search strategy (see the module docstring for its life)."""
 
     direction: Literal["maximize", "minimize"] = "maximize"
+    max_ooms = 0  # the study's OOM budget, for strategies that plan around it (the loop enforces it)
     metric: str = "TFLOP/s/GPU"  # the evaluator's unit
     sequential: bool = False  # True: one proposal per wave (the next depends on the last outcome)
     # An exhaustive strategy proposes each candidate once and ends by itself: the study loop never stops
@@ -116,6 +117,15 @@ class Strategy(ABC):
 
     def _ooms(self) -> int:
         return len(self._oom_runs())
+
+    def _one_oom_left(self) -> bool:
+        """The next OOM would spend the last `max_ooms` allows."""
+        return self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
+
+    def _budget_spent(self) -> bool:
+        """Has the study spent its `max_ooms`, with a run that fit to prove fits from? Then the loop
+        launches only what is proven to fit (`StudyLoop.proof_of_fit`)."""
+        return self._ooms() >= self.max_ooms and any(o.ok for o in self.history)
 
     def tell(self, outcome: Outcome) -> None:
         self.history.append(outcome)

@@ -333,7 +333,7 @@ class HeuristicStrategy(Strategy):
         ooms = self._ooms()
         if ooms:
             allowed = RISK_DONE if ooms >= self.max_ooms else self.oom_risk
-            if ooms >= self.max_ooms and any(o.ok for o in self.history):
+            if self._budget_spent():
                 # budget spent: only what a run that fit proves fits, by structure (the study loop's rule)
                 if a.fits_surely is None:
                     return False, (f"{gb:.0f}/{cap:g} GB, not proven to fit by a run that fit after {ooms} OOM "
@@ -833,10 +833,6 @@ class HeuristicStrategy(Strategy):
             if found is None or (r, -pred[k]) < found[:2]:
                 found = (r, -float(pred[k]), k)
         return None if found is None else found[2]
-
-    def _one_oom_left(self) -> bool:
-        """The next OOM would spend the last `max_ooms` allows."""
-        return self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
 
     def _bests_tests(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
                      max_risk: float = 1.0) -> Proposal | None:

@@ -277,18 +277,9 @@ class StagedBlackboxStrategy(Strategy):
             return self._work(c)
         return self._work(c) * (1 + (lay.pp - 1) / ((lay.vpp_size or 1) * max(lay.microbatches, 1)))
 
-    def _spent(self) -> bool:
-        """Has the study spent its `max_ooms`, with a run that fit to prove fits from? Then the loop
-        launches only what is proven to fit (`StudyLoop.proof_of_fit`)."""
-        return self._ooms() >= self.max_ooms and any(o.ok for o in self.history)
-
     def _plausible(self, o: Outcome, c: dict) -> float:
         """What setting `c` of `o`'s layout could reach: `o`'s rate times the work `c` saves (`_cost`)."""
         return self.rate(float(o.value)) * self._cost(o.candidate) / self._cost(c)  # type: ignore[arg-type]
-
-    def _one_oom_left(self) -> bool:
-        """The next OOM would spend the last `max_ooms` allows."""
-        return self.max_ooms > 0 and self._ooms() == self.max_ooms - 1
 
     def _screened(self, c: dict) -> str | None:
         """Why the study's memory screen would not launch `c` (None: it would); once the OOMs are spent,
@@ -296,7 +287,7 @@ class StagedBlackboxStrategy(Strategy):
         a = self.judge.assess(c)
         if a.predicted_oom:
             return a.predicted_oom
-        if self._spent() and a.fits_surely is None:
+        if self._budget_spent() and a.fits_surely is None:
             return f"not proven to fit after {self._ooms()} OOM (max_ooms={self.max_ooms})"
         return None
 
@@ -507,7 +498,7 @@ class StagedBlackboxStrategy(Strategy):
             step = self._promotion(rate, tried) or self._neighbour(best, tried) or self._layout_step(best)
             if step is not None:
                 return step
-        if best is not None and self._spent():
+        if best is not None and self._budget_spent():
             return self._proven(best, pending)
         ranked = sorted(((lay, o) for lay, o in self._best.items() if self._untried(lay)),
                         key=lambda kv: self.rate(float(kv[1].value)), reverse=True)  # type: ignore[arg-type]
@@ -541,16 +532,16 @@ class StagedBlackboxStrategy(Strategy):
         bar = self.rate(float(best.value)) * (1 + self.min_gain)  # type: ignore[arg-type]
         top = {lay for lay, _ in sorted(self._best.items(), key=lambda kv: -self.rate(float(kv[1].value)))  # type: ignore[arg-type]
                [: self.top_layouts]}
-        ranked = sorted(((self._plausible(o, c), i, c, o) for i, (lay, o) in enumerate(self._best.items())
+        ranked = sorted(((self._plausible(o, c), i, lay, c, o) for i, (lay, o) in enumerate(self._best.items())
                          for k, c in self._by_layout.get(lay, {}).items() if k not in tried),
                         key=lambda t: (-t[0], t[1]))
-        for rate, _, c, o in ranked:
-            if rate <= bar and _layout(self.space, c) not in top:
+        for rate, _, lay, c, o in ranked:
+            if rate <= bar and lay not in top:
                 continue
             proof = self.judge.assess(c).fits_surely
             if proof is None:
                 continue
-            desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
+            desc = " ".join(f"{k}={v}" for k, v in lay)
             return Proposal(dict(c), stage=SETTINGS_STAGE,
                             why=f"stage 2, proven fit after {self._ooms()} OOM (max_ooms={self.max_ooms}): layout "
                                 f"{desc} at mbs {c.get('mbs', 1)} with {_rec(c)}{_changed(o.candidate, c)} could "
