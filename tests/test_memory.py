@@ -228,6 +228,58 @@ def test_the_oom_message_raises_the_bound_and_reserved_memory_the_fragmentation(
     assert mm.fragmentation == pytest.approx(0.3)
 
 
+def test_an_oom_message_measures_what_lies_outside_pytorch_both_ways():
+    """The default assumes 4 GB outside the allocator (CUDA context, NCCL). PyTorch's OOM message shows it:
+    in use minus allocated minus reserved-but-unallocated. A plain H100 shows ~1.5 GB, and every prediction
+    drops by the difference, so a configuration the guess put past the GPU near its edge may run; a trainer
+    with CUDA graphs or large NCCL buffers shows 7 GB, and every prediction rises (sim/flavours.py's
+    `overhead`)."""
+    # an OOM far past the GPU as estimated: what it proves, the estimate already holds
+    lay = Layout(8, 64, tp=1, mbs=8, recompute_granularity="none")
+    other = Layout(8, 64, tp=4, pp=2, sequence_parallel=True, mbs=1, **FULL)
+    fresh, small, large = (MemoryModel(LLAMA8, 80) for _ in range(3))
+    small.observe_oom(lay, outside_gb=1.5)
+    large.observe_oom(lay, outside_gb=7.0)
+    plain = MemoryModel(LLAMA8, 80)
+    plain.observe_oom(lay)  # no message: the guess stands
+    assert (small.outside_gb, large.outside_gb, plain.outside_gb) == (1.5, 7.0, None)
+    # the same OOM, the same lesson on the allocator's components: the predictions move by the difference
+    assert plain.predict(other) - small.predict(other) == pytest.approx(memory.DEFAULT_OVERHEAD_GB - 1.5, abs=0.05)
+    assert large.predict(other) - plain.predict(other) == pytest.approx(7.0 - memory.DEFAULT_OVERHEAD_GB, abs=0.05)
+    assert fresh.predict(other) == pytest.approx(plain.predict(other), abs=0.05)
+    assert "non-PyTorch 1.5 GB as an OOM message showed" in (small.predicted_oom(replace(lay, mbs=4)) or "")
+    # TE's userbuffers are carried over as the estimate puts them outside the allocator
+    ub = replace(other, tp_comm_overlap=True)
+    assert small.predict(ub) - small.predict(other) == pytest.approx(
+        memory.userbuffers_gb(ub, LLAMA8), abs=0.05)
+    # a value no GPU can hold outside the allocator is not evidence
+    odd = MemoryModel(LLAMA8, 80)
+    odd.observe_oom(lay, outside_gb=500.0)
+    assert odd.outside_gb is None
+
+
+def test_what_an_oom_message_showed_outside_the_allocator_lets_a_bound_prove_more():
+    """A bound from a measured run proves a candidate fits when it stays under the fullest run's "max
+    reserved" (that run fit, with whatever lay outside the allocator), or under the capacity less what an
+    OOM message showed outside it (with a cushion for communicators set up later): a study whose runs
+    all reserved far less than the GPU holds can still prove what lies between."""
+    mm, told = MemoryModel(LLAMA8, 80), MemoryModel(LLAMA8, 80)
+    ran = Layout(8, 64, tp=2, pp=2, sequence_parallel=True, mbs=1, **SEL)
+    e = mm.estimate(ran)
+    for m in (mm, told):
+        m.observe_success(ran, measured_peak_gb=e.allocated_gb, reserved_gb=60.0, tag=3)
+    oom = Layout(8, 64, tp=1, mbs=4, recompute_granularity="none")
+    mm.observe_oom(oom)
+    told.observe_oom(oom, outside_gb=1.5)
+    assert mm.bound_limit(ran) == pytest.approx(70.0)  # capacity less the most outside it could be
+    # (the run that ran out had only a data-parallel group; `ran` adds a TP and a PP one)
+    assert told.bound_limit(ran) == pytest.approx(80 - 1.5 - memory.OUTSIDE_CUSHION_GB - 2 * memory.NCCL_CUSHION_GB)
+    # more communicators than the run that ran out: NCCL buffers of each
+    more = replace(ran, cp=2)
+    assert told.bound_limit(more) == pytest.approx(told.bound_limit(ran) - memory.NCCL_CUSHION_GB * (
+        memory.communicators(more) - memory.communicators(ran)))
+
+
 def test_memory_model_rejects_bad_settings():
     with pytest.raises(ValueError, match="capacity_gb"):
         MemoryModel(LLAMA8, 0)
@@ -271,7 +323,17 @@ def test_memory_evidence_reads_megatron_memory_lines_and_the_oom_message():
                    {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert oom.kind == "oom"
     assert memory_evidence(oom.stderr)["needed_gb"] > oom.capacity_gb
+    assert 0.5 < memory_evidence(oom.stderr)["outside_gb"] < 4
     assert memory_evidence("no memory here") == {}
+    # PyTorch 2.x's message, units mixed: 79.06 GiB in use - 76.87 GiB allocated - 300 MiB reserved, unallocated
+    real = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 3 has a total capacity "
+            "of 79.11 GiB of which 5.31 MiB is free. Including non-PyTorch memory, this process has 79.06 GiB "
+            "memory in use. Of the allocated memory 76.87 GiB is allocated by PyTorch, and 300.00 MiB is "
+            "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+    ev = memory_evidence(real)
+    assert ev["outside_gb"] == pytest.approx(79.06 - 76.87 - 300 / 1024)
+    assert ev["needed_gb"] == pytest.approx(79.06 + 20 / 1024)
 
 
 def test_two_ooms_that_differ_in_activations_do_not_erase_the_activations():

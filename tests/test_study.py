@@ -179,6 +179,8 @@ def test_stock_hydra_optuna_baseline_runs_and_wastes_trials_on_invalid_layouts(t
             assert run.kind == "invalid_args" and run.reason
         elif t.state == optuna.trial.TrialState.FAIL:
             assert run.kind == "oom"  # a miss of the estimate, run and failed
+            # its OOM message's memory outside PyTorch's allocator, for the memory model
+            assert run.needed_gb > 0 and 0 < run.outside_gb < 10
         else:
             assert t.value > 0 and run.value == t.value and run.kind is None
 
@@ -244,12 +246,12 @@ def test_sizes_and_durations_read_back_from_a_study_db_are_numbers_or_nothing():
     from zenithtune import record
 
     attrs = {"launched": True, "candidate": {"tp": 2}, "measured_gb": "70", "reserved_gb": -5.0,
-             "needed_gb": True, "duration": 12, "predicted_gb": float("nan")}
+             "needed_gb": True, "outside_gb": "1.5", "duration": 12, "predicted_gb": float("nan")}
     t = create_trial(state=TrialState.COMPLETE, value=500.0, params={"tp": 2},
                      distributions={"tp": IntDistribution(1, 8)}, user_attrs=attrs)
     o = record.outcome_of(t)
     assert o is not None and o.ok and o.candidate == {"tp": 2}
-    assert (o.measured_gb, o.reserved_gb, o.needed_gb, o.predicted_gb) == (None,) * 4
+    assert (o.measured_gb, o.reserved_gb, o.needed_gb, o.outside_gb, o.predicted_gb) == (None,) * 5
     assert o.duration == 12.0
 
 

@@ -120,7 +120,7 @@ def _measure(conf: ZenithtuneConf, out_dir: Path, argv: list[str], env: dict[str
     report = Launched(score, failure[0].value if failure else None, failure[1] if failure else "",
                       duration=res.duration if res.duration is not None else time.time() - started,
                       measured_gb=peak / 1024.0 if peak else None, reserved_gb=evidence.get("reserved_gb"),
-                      needed_gb=evidence.get("needed_gb"), argv=argv, env=env, log=str(log_path),
+                      needed_gb=evidence.get("needed_gb"), outside_gb=evidence.get("outside_gb"), argv=argv, env=env, log=str(log_path),
                       process=res.process.to_dict() if res.process else None, metric=evaluator.metric_name)
     kept = evaluator.kept()
     report.spread, report.n_values = spread(kept), len(kept) or None

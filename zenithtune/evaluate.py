@@ -536,6 +536,15 @@ class TrainingClock:
 _MEGATRON_RESERVED = re.compile(rf"memory \(MB\).*?\|\s*max reserved:\s*({_NUMBER})")
 _OOM = re.compile(rf"Tried to allocate ({_NUMBER}) ([GM]i?B).*?this process has ({_NUMBER}) ([GM]i?B) memory in use",
                   re.DOTALL)
+# PyTorch's OOM message goes on: "Of the allocated memory Y GiB is allocated by PyTorch, and Z MiB is reserved
+# by PyTorch but unallocated": what this process had in use beyond Y + Z lay outside PyTorch's allocator
+_OOM_SPLIT = re.compile(rf"this process has ({_NUMBER}) ([GM]i?B) memory in use\.\s*Of the allocated memory "
+                        rf"({_NUMBER}) ([GM]i?B) is allocated by PyTorch, and ({_NUMBER}) ([GM]i?B) is reserved "
+                        rf"by PyTorch but unallocated")
+
+
+def _gib(value: str, unit: str) -> float:
+    return float(value) / (1024 if unit.startswith("M") else 1)
 
 
 def memory_evidence(output: str) -> dict[str, float]:
@@ -545,7 +554,10 @@ def memory_evidence(output: str) -> dict[str, float]:
     * ``reserved_gb``: the largest ``max reserved`` (the caching allocator's footprint);
     * ``needed_gb``: from PyTorch's OOM message, memory in use when it failed plus the allocation
       that failed ("Tried to allocate X GiB ... this process has Y GiB memory in use"): the run
-      needed at least that much.
+      needed at least that much;
+    * ``outside_gb``: from the same message, what the process had in use outside PyTorch's allocator
+      (CUDA context, NCCL buffers, TE userbuffers): in use minus "allocated by PyTorch" minus "reserved
+      by PyTorch but unallocated". No run that fits prints it.
 
     Keys are absent when the log does not say (an empty dict for a log without memory lines)."""
     out: dict[str, float] = {}
@@ -555,10 +567,11 @@ def memory_evidence(output: str) -> dict[str, float]:
     reserved = [float(v) for v in _MEGATRON_RESERVED.findall(output)]
     if reserved:
         out["reserved_gb"] = max(reserved) / 1024
-    needs = []
-    for tried, tried_unit, in_use, use_unit in _OOM.findall(output):
-        gb = lambda v, unit: float(v) / (1024 if unit.startswith("M") else 1)  # noqa: E731
-        needs.append(gb(tried, tried_unit) + gb(in_use, use_unit))
+    needs = [_gib(tried, tried_unit) + _gib(in_use, use_unit)
+             for tried, tried_unit, in_use, use_unit in _OOM.findall(output)]
     if needs:
         out["needed_gb"] = max(needs)
+    outside = [_gib(u, uu) - _gib(a, au) - _gib(r, ru) for u, uu, a, au, r, ru in _OOM_SPLIT.findall(output)]
+    if any(gb >= 0 for gb in outside):
+        out["outside_gb"] = max(outside)
     return out

@@ -119,7 +119,7 @@ class Setting:
             self.memory.observe_success(lay, o.measured_gb, reserved_gb=o.reserved_gb, vit_checkpointing=vit,
                                         tag=o.trial_number)
         elif o.kind == FailureKind.OOM.value:
-            self.memory.observe_oom(lay, needed_gb=o.needed_gb, vit_checkpointing=vit)
+            self.memory.observe_oom(lay, needed_gb=o.needed_gb, outside_gb=o.outside_gb, vit_checkpointing=vit)
         trait = self.refusal(o)
         if trait is not None:
             self.refused.append(trait)

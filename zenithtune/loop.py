@@ -498,6 +498,7 @@ class StudyLoop:
     def _record(self, p: Pending, res: Launched, started: float) -> Outcome:
         outcome = replace(self._base(p), duration=res.duration if res.duration is not None else time.time() - started,
                           measured_gb=res.measured_gb, reserved_gb=res.reserved_gb, needed_gb=res.needed_gb,
+                          outside_gb=res.outside_gb,
                           argv=res.argv, env=res.env, log=res.log, **record.facts(res))
         if res.value is not None:
             outcome = replace(outcome, state="complete", value=float(res.value))

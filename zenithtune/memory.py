@@ -412,6 +412,11 @@ NCCL_CUSHION_GB = 0.5
 # userbuffers (Megatron-Bridge's "Memory Tuning" guide lists these as what its estimator leaves out;
 # 2-8 GB in practice). A bound under capacity minus this fits even with nothing measured near it.
 NON_TORCH_MAX_GB = 10.0
+# What an OOM message showed outside the allocator is what had been set up by the failing step; a
+# communicator first used later (a gradient reduce-scatter, a parameter all-gather) adds its buffers
+# after it: a proof from that measurement (`bound_limit`) leaves this much besides NCCL_CUSHION_GB per
+# communicator the candidate has beyond the run that ran out.
+OUTSIDE_CUSHION_GB = 1.0
 
 
 NEIGHBOUR_DIMS = 2  # ... from a run differing in at most this many of its sizes (parallel, MBS, recompute)
@@ -512,6 +517,8 @@ class MemoryModel:
         self._bounds: list[tuple[MemoryEstimate, float]] = []  # (what ran out of memory, GB it needed at least)
         self._frag: list[tuple[bool, float]] = []  # (full recompute?, measured reserved / allocated)
         self._fixed_cap: float | None = None  # what runs that fit prove the non-PyTorch part is at most (GB)
+        # what OOM messages showed in use outside the allocator: (estimate, layout, GB)
+        self._outside: list[tuple[MemoryEstimate, Layout, float]] = []
         self._ok: list[MemoryEstimate] = []  # what ran
         # what ran and printed both its peaks: (estimate, layout, max allocated, max reserved, tag)
         self._held: list[tuple[MemoryEstimate, Layout, float, float, object]] = []
@@ -579,10 +586,26 @@ class MemoryModel:
         return est.overhead_gb - FRAGMENTATION * est.allocated_gb
 
     def _fixed(self, est: MemoryEstimate) -> float:
-        """The part outside PyTorch's allocator as assumed, or less where a run that fit proves it
-        (`fixed_cap_gb`)."""
-        assumed = self._assumed_fixed(est)
-        return assumed if self._fixed_cap is None else min(assumed, self._fixed_cap)
+        """The part outside PyTorch's allocator as assumed, or as an OOM message showed it (`outside_gb`),
+        or less where a run that fit proves it (`fixed_cap_gb`)."""
+        seen = self._seen_outside(est)
+        fixed = self._assumed_fixed(est) if seen is None else seen
+        return fixed if self._fixed_cap is None else min(fixed, self._fixed_cap)
+
+    def _seen_outside(self, est: MemoryEstimate) -> float | None:
+        """What OOM messages showed in use outside the allocator, carried over to `est` by what the
+        estimate puts there beyond each failed run (TE userbuffers): the largest. None before an OOM
+        message said it. The assumed DEFAULT_OVERHEAD_GB is a guess for an unknown cluster (a plain
+        H100 holds ~1.5 GB there, a trainer with CUDA graphs or large NCCL buffers 5-8): an OOM
+        measures it, and the screen's last few GB, where fast configurations live, depend on it."""
+        if not self._outside:
+            return None
+        return max(max(gb + self._assumed_fixed(est) - self._assumed_fixed(e), 0.0) for e, _, gb in self._outside)
+
+    @property
+    def outside_gb(self) -> float | None:
+        """The most an OOM message showed in use outside PyTorch's allocator (GB); None before one did."""
+        return max((gb for _, _, gb in self._outside), default=None)
 
     @property
     def fixed_cap_gb(self) -> float | None:
@@ -811,7 +834,9 @@ class MemoryModel:
             moved = [f"{k} x{v:.2f}" for k, v in self.scales.items() if abs(v - 1) >= 0.005]
             if self.per_sample >= 0.005:
                 moved.append(f"activations +{100 * self.per_sample:.0f} % per sample beyond the first")
-            if self._fixed(est) < self._assumed_fixed(est):
+            if self._seen_outside(est) is not None and self._fixed(est) == self._seen_outside(est):
+                moved.append(f"non-PyTorch {self._fixed(est):.1f} GB as an OOM message showed")
+            elif self._fixed(est) < self._assumed_fixed(est):
                 moved.append(f"non-PyTorch <= {self._fixed(est):.1f} GB")
             learned = f", learned {' '.join(moved)}" if moved and (self._measured or self._bounds) else ""
             return (f"predicted {need:.1f} GB > {self.capacity_gb:g} GB capacity x {1 + self.margin:.2f} "
@@ -955,20 +980,29 @@ class MemoryModel:
         """What `bound` must stay under for `layout` to surely fit: the fullest run's "max reserved"
         (it fit with everything outside the allocator), less NCCL_CUSHION_GB per communicator `layout`
         has beyond that run's (NCCL's buffers are outside the allocator); or the capacity less the most
-        that lies outside the allocator (NON_TORCH_MAX_GB), when that is more."""
+        that lies outside the allocator (NON_TORCH_MAX_GB), or the capacity less what an OOM message showed
+        outside it (`outside_gb`, with OUTSIDE_CUSHION_GB), whichever is most."""
         if not self._held:
             return None
         _, top_layout, _, top, _ = max(self._held, key=lambda h: h[3])
-        held = top - NCCL_CUSHION_GB * max(communicators(layout) - communicators(top_layout), 0)
-        # TE's userbuffers (--tp-comm-overlap) lie outside the allocator too: what `layout` adds beyond that
-        # run's, at the bound's first inflation
-        held -= GROWTHS[0] * max(userbuffers_gb(layout, self.model) - userbuffers_gb(top_layout, self.model), 0.0)
-        return max(held, self.capacity_gb - NON_TORCH_MAX_GB)
+        limits = [top - self._outside_growth(layout, top_layout), self.capacity_gb - NON_TORCH_MAX_GB]
+        if self._outside:
+            limits.append(self.capacity_gb - OUTSIDE_CUSHION_GB
+                          - max(gb + self._outside_growth(layout, lay) for _, lay, gb in self._outside))
+        return max(limits)
 
-    def observe_oom(self, layout: Layout, *, needed_gb: float | None = None,
+    def _outside_growth(self, layout: Layout, ref: Layout) -> float:
+        """What `layout` may hold outside the allocator beyond `ref` (GB), pessimistically: NCCL_CUSHION_GB
+        per communicator it has beyond ref's, and TE's userbuffers (--tp-comm-overlap) beyond ref's at the
+        bound's first inflation."""
+        return NCCL_CUSHION_GB * max(communicators(layout) - communicators(ref), 0) + \
+            GROWTHS[0] * max(userbuffers_gb(layout, self.model) - userbuffers_gb(ref, self.model), 0.0)
+
+    def observe_oom(self, layout: Layout, *, needed_gb: float | None = None, outside_gb: float | None = None,
                     vit_checkpointing: bool | None = None) -> None:
         """A run that ran out of memory; `needed_gb` is what the OOM message proves it needed at least
-        (memory in use + the allocation that failed), if known."""
+        (memory in use + the allocation that failed), `outside_gb` what it showed in use outside PyTorch's
+        allocator (in use - allocated - reserved but unallocated), if known."""
         est = self.estimate(layout, vit_checkpointing)
         if est is None:
             return
@@ -980,6 +1014,8 @@ class MemoryModel:
         if growth is not None and self._proves(layout, vit_checkpointing, growth):
             self._refuted = max(self._refuted, growth)
         self._oom_at.append((layout, vit_checkpointing))
+        if isinstance(outside_gb, (int, float)) and 0 <= outside_gb < self.capacity_gb:
+            self._outside.append((est, layout, float(outside_gb)))
         need = max(self.capacity_gb, needed_gb or 0.0) * (1 + 1e-3)
         self._miss(est, need, at_least=True)
         self._bounds.append((est, need))

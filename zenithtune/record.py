@@ -51,6 +51,7 @@ class Attr:
     MEASURED_GB = "measured_gb"  # Megatron's "max allocated" (GB)
     RESERVED_GB = "reserved_gb"  # Megatron's "max reserved" (GB)
     NEEDED_GB = "needed_gb"  # an OOM message's memory in use + the failed allocation (GB)
+    OUTSIDE_GB = "outside_gb"  # an OOM message's memory in use outside PyTorch's allocator (GB)
     STAGE = "stage"  # staged strategies: which stage proposed it
     WHY = "why"  # the strategy's one-line reason
     DUPLICATE_OF = "duplicate_of"
@@ -81,6 +82,7 @@ class Outcome:
     measured_gb: float | None = None
     reserved_gb: float | None = None
     needed_gb: float | None = None
+    outside_gb: float | None = None
     trial_number: int | None = None
     stage: str | None = None
     probe: bool = False  # launched past the memory screen on purpose (Proposal.probe_memory)
@@ -125,6 +127,7 @@ class Launched:
     measured_gb: float | None = None  # peak memory the run printed (max allocated)
     reserved_gb: float | None = None  # max reserved the run printed
     needed_gb: float | None = None  # what an OOM message proves the run needed
+    outside_gb: float | None = None  # what an OOM message shows in use outside PyTorch's allocator
     argv: list[str] | None = None
     env: dict[str, str] | None = None
     log: str | None = None
@@ -160,6 +163,7 @@ def store(trial: optuna.Trial, o: Outcome) -> None:
         Attr.MEASURED_GB: None if o.measured_gb is None else round(o.measured_gb, 2),
         Attr.RESERVED_GB: None if o.reserved_gb is None else round(o.reserved_gb, 2),
         Attr.NEEDED_GB: None if o.needed_gb is None else round(o.needed_gb, 2),
+        Attr.OUTSIDE_GB: None if o.outside_gb is None else round(o.outside_gb, 2),
         Attr.SPREAD: None if o.spread is None else round(o.spread, 5), Attr.N_VALUES: o.n_values,
         Attr.STOPPED_AFTER: o.stopped_after, Attr.SAVED_S: None if o.saved_s is None else round(o.saved_s, 1),
     }
@@ -206,7 +210,8 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         value=t.value if state == "complete" else None, kind=kind, reasons=reasons,
         rules=list(a.get(Attr.RULES) or []), launched=launched, duration=_amount(a.get(Attr.DURATION)),
         predicted_gb=_amount(a.get(Attr.PREDICTED_GB)), measured_gb=_amount(a.get(Attr.MEASURED_GB)),
-        reserved_gb=_amount(a.get(Attr.RESERVED_GB)), needed_gb=_amount(a.get(Attr.NEEDED_GB)), trial_number=t.number,
+        reserved_gb=_amount(a.get(Attr.RESERVED_GB)), needed_gb=_amount(a.get(Attr.NEEDED_GB)),
+        outside_gb=_amount(a.get(Attr.OUTSIDE_GB)), trial_number=t.number,
         stage=a.get(Attr.STAGE), probe=Attr.MEMORY_PROBE in a, why=a.get(Attr.WHY) or "",
         repeat_of=a.get(Attr.REPEAT_OF) if isinstance(a.get(Attr.REPEAT_OF), int) else None,
         spread=_amount(a.get(Attr.SPREAD)), n_values=_count(a.get(Attr.N_VALUES)),

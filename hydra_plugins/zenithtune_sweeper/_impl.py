@@ -214,7 +214,7 @@ class StudyRunner:
         facts = {Attr.LAUNCHED: True, Attr.KIND: run.kind, Attr.REASONS: [run.reason] if run.reason else None,
                  Attr.ARGV: run.argv, Attr.ENV: run.env, Attr.LOG: run.log, Attr.DURATION: run.duration,
                  Attr.MEASURED_GB: run.measured_gb, Attr.RESERVED_GB: run.reserved_gb,
-                 Attr.NEEDED_GB: run.needed_gb, Attr.RECOVERED_FROM: trial.number,
+                 Attr.NEEDED_GB: run.needed_gb, Attr.OUTSIDE_GB: run.outside_gb, Attr.RECOVERED_FROM: trial.number,
                  Attr.SPREAD: run.spread, Attr.N_VALUES: run.n_values, Attr.STOPPED_AFTER: run.stopped_after,
                  Attr.SAVED_S: run.saved_s}
         attrs = {**trial.user_attrs, **{k: v for k, v in facts.items() if v is not None}}

@@ -55,6 +55,7 @@ def launcher(command: list[str], space: Space, evaluator: Evaluator, *, truth: d
         ev = memory_evidence(res.stdout + res.stderr)
         run.measured_gb, run.reserved_gb, run.needed_gb = (ev.get("allocated_gb"), ev.get("reserved_gb"),
                                                            ev.get("needed_gb"))
+        run.outside_gb = ev.get("outside_gb")
         return run
 
     return launch
