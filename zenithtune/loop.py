@@ -357,6 +357,9 @@ class StudyLoop:
         if predicted is not None:
             trial.set_user_attr(Attr.PREDICTED_GB, round(predicted, 2))
         broken = list(verdict.reasons)
+        vetoed = None if proposal.veto is None else proposal.veto(cand)
+        if vetoed:
+            broken = [("strategy", vetoed)]
         if broken and broken[0][0] == MEMORY_RULE and proposal.probe_memory:
             trial.set_user_attr(Attr.MEMORY_PROBE, broken[0][1])  # launched on purpose; the outcome teaches
             # ... but never past what an OOM proves

@@ -66,6 +66,10 @@ class Proposal:
     # study's screen and OOM budget allow); above it the loop prunes it ("oom_risk") and the sampler
     # learns so. staged_blackbox keeps the study's last OOM from its memory-safe layout runs this way.
     max_risk: float | None = None
+    # The strategy's own word on a sampled candidate, before the judge's: a reason it must not run (its
+    # domain rules: staged_blackbox's TP across nodes), or None. The loop prunes it with that reason
+    # (rule "strategy"), and the sampler learns so.
+    veto: Callable[[dict[str, Any]], str | None] | None = None
 
 
 class Strategy(ABC):

@@ -6,7 +6,8 @@ flight; the virtual pipeline size is a setting of a pipelined layout, tuned in s
 recompute), ViT checkpointing on, and the cheapest recompute the memory model says fits with room to
 spare (none, selective, full/block with the fewest layers, else full/uniform), so a layout is not lost
 to an OOM. Only the layout is an Optuna parameter of these trials, so stage 1 does not bias TPE's view
-of MBS, vp or recompute. It lasts `stage1_trials` launches, or
+of MBS, vp or recompute. A layout whose TP crosses nodes is not drawn (`tp_within_node`: TPE's draw of one
+is pruned, and TPE learns so; the layout steps skip them). It lasts `stage1_trials` launches, or
 less when every valid layout has run. When the next OOM would be the last `max_ooms` allows, a
 layout run at memory-safe settings (here and in step 4) may carry at most `last_oom_risk` of running
 out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
@@ -95,7 +96,7 @@ class StagedBlackboxStrategy(Strategy):
     def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
                  patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
                  min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1, probe_risk: float = 0.95,
-                 max_ooms: int = 2, last_oom_risk: float = 0.25):
+                 max_ooms: int = 2, last_oom_risk: float = 0.25, tp_within_node: bool = True):
         if int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         if int(top_layouts) < 1:
@@ -125,6 +126,7 @@ class StagedBlackboxStrategy(Strategy):
         self.probe_risk = float(probe_risk)  # ... and not when the learned memory model all but rules it out
         self.max_ooms = int(max_ooms)  # the study's OOM budget (the loop holds it)
         self.last_oom_risk = float(last_oom_risk)  # a layout run at memory-safe settings that could spend its last
+        self.tp_within_node = bool(tp_within_node)  # no layout whose TP crosses nodes (`_far`)
         self._rng = random.Random(seed)
         self._stage1_done = False
         self._stage2_asked = 0
@@ -142,6 +144,15 @@ class StagedBlackboxStrategy(Strategy):
         self._by_layout: dict[tuple, dict[tuple, dict]] = {}  # layout -> {key: candidate} of the valid ones
         for cand in space.walk():
             self._by_layout.setdefault(_layout(space, cand), {})[space.key(cand)] = cand
+        # TP beyond one node puts its per-layer collectives on the network (MEGATRON.md; NeMo's Auto
+        # Configurator and the heuristic keep TP inside a node too): such layouts are not drawn, unless
+        # nothing else can run at all (a model only TP across nodes holds)
+        self._far: set[tuple] = set()
+        if self.tp_within_node:
+            far = {lay for lay in self._by_layout if dict(lay).get("tp", 1) > judge.ctx.gpus_per_node}
+            near = (c for lay, cs in self._by_layout.items() if lay not in far for c in cs.values())
+            if any(judge.assess(c).launchable for c in near):
+                self._far = far
         self._seen: dict[tuple, set[tuple]] = {}  # layout -> keys measured or screened
         self._best: dict[tuple, Outcome] = {}  # layout -> its best measured outcome
         self._stage1_layouts: set[tuple] = set()
@@ -245,7 +256,15 @@ class StagedBlackboxStrategy(Strategy):
         return None if risk is None or gain >= self.probe_gain else risk
 
     def _untried_layouts(self) -> list[tuple]:
-        return [lay for lay in self._by_layout if lay not in self._stage1_layouts]
+        return [lay for lay in self._by_layout if lay not in self._stage1_layouts and lay not in self._far]
+
+    def _veto(self, cand: dict) -> str | None:
+        """Stage 1's own rule on what TPE drew: no TP across nodes (`_far`)."""
+        lay = _layout(self.space, cand)
+        if lay in self._far:
+            return (f"tp={dict(lay).get('tp')} crosses nodes of {self.ctx.gpus_per_node} GPUs: its collectives "
+                    f"would run over the network (strategy.tp_within_node=false allows it)")
+        return None
 
     # --- stage 2: what measurements and the memory screen suggest before TPE -------------------------
     def _work(self, c: dict) -> float:
@@ -430,7 +449,8 @@ class StagedBlackboxStrategy(Strategy):
             return None
         here = dict(_layout(self.space, best.candidate))
         tier = {lay: self._adjacent(dict(lay), here) for lay in self._by_layout
-                if lay not in self._best and lay not in self._stage1_layouts and lay not in self._stepped}
+                if lay not in self._best and lay not in self._stage1_layouts and lay not in self._stepped
+                and lay not in self._far}
         # the nearest first: one value up or down; where none is left, one or two dimensions to any value
         near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
         if not near:
@@ -488,7 +508,7 @@ class StagedBlackboxStrategy(Strategy):
                                     complete=self._safe_settings, max_risk=self._safe_risk())
                 return Proposal({}, why="stage 1: TPE picks the layout, at memory-safe settings",
                                 stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS, complete=self._safe_settings,
-                                max_risk=self._safe_risk())
+                                max_risk=self._safe_risk(), veto=self._veto)
             self._stage1_done = True
             self._streak = 0
         best = self.best()
