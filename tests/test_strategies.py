@@ -4,6 +4,7 @@ an in-memory Optuna study, and the built-in simulator called as a function."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import subprocess
 import sys
@@ -229,20 +230,30 @@ def test_staged_draws_no_layout_whose_tp_crosses_nodes():
     # 32 GPUs in 4 nodes of 8: TP 16 and 32 are valid for Megatron but put every layer's collectives on the
     # network; TPE drew 7 of its 30 stage-1 layouts there (robustness.py, the 16-expert MoE on 32 H100,
     # staged_blackbox 0.901 of the optimum, whose layout stage 1 never reached)
-    job = make_job("staged_blackbox", n_gpus=32, gbs=128, gpu="h100", extra=("stage1_trials=12",))
+    job = make_job("staged_blackbox", n_gpus=32, gbs=128, gpu="h100", extra=("stage1_trials=16",))
     assert any(c["tp"] > 8 for c in job.space.walk())
-    loop, _ = study(job, 16)
+    loop, _ = study(job, 20)
     runs = launched(loop)
-    assert len(runs) == 16 and all(o.candidate["tp"] <= 8 for o in runs)
-    vetoed = [o for o in loop.outcomes if "strategy" in o.rules]
-    assert vetoed and all(o.candidate["tp"] > 8 for o in vetoed), [o.rules for o in loop.outcomes]
-    assert "crosses nodes of 8 GPUs" in vetoed[0].reasons[0] and "strategy.tp_within_node=false" in vetoed[0].reasons[0]
+    assert len(runs) == 20 and all(o.candidate["tp"] <= 8 for o in runs)
+    # stage 1 starts from valid layouts at random (TPE's own start draws each size on its own: most of
+    # its draws are invalid, pruned, and count towards its start all the same) ...
+    assert [o.why.startswith("stage 1: TPE's start") for o in runs[:10]] == [True] * 10
+    assert all(o.rules == ["strategy"] for o in loop.outcomes if "strategy" in o.rules)
+    # ... and after it, a TPE draw of a valid layout at TP 16 is pruned with the strategy's reason
+    st = make_job("staged_blackbox", n_gpus=32, gbs=128, gpu="h100", extra=("strategy.n_startup_trials=0",)).strategy
+    st.setup(job, [])
+    proposal = st.ask()
+    assert proposal.sample is not None and "TPE picks the layout" in proposal.why
+    far = next(c for c in job.space.walk() if c["tp"] == 16)
+    why = proposal.veto(far)
+    assert "tp=16 crosses nodes of 8 GPUs" in why and "strategy.tp_within_node=false allows it" in why
+    assert proposal.veto(runs[0].candidate) is None
     # ... which the user may allow
     free = make_job("staged_blackbox", n_gpus=32, gbs=128, gpu="h100",
-                    extra=("stage1_trials=12", "strategy.tp_within_node=false"))
-    loop, _ = study(free, 16)
-    assert not any("strategy" in o.rules for o in loop.outcomes)
-    assert any(o.candidate["tp"] > 8 for o in loop.outcomes)  # TPE draws them (seeded)
+                    extra=("stage1_trials=16", "strategy.tp_within_node=false"))
+    free.strategy.setup(free, [])
+    assert any(dict(lay)["tp"] > 8 for lay in free.strategy._untried_layouts())
+    assert free.strategy._veto(far) is None
 
 
 def _stage2(loop: StudyLoop, step: str) -> list[Outcome]:
@@ -551,9 +562,11 @@ def test_staged_past_max_ooms_proposes_what_a_run_proves_fits():
     # Once the OOM budget is spent the loop refuses whatever no run proves fits; staged_blackbox's TPE kept
     # drawing such settings until 300 in a row were refused and the study stopped (search.py,
     # qwen3-30b-a3b-8xh100: 26 of 50 launches, 0.872). Now stage 2 proposes only proven fits, the most
-    # plausible first, and says why it stops when none is left.
-    job = make_job("staged_blackbox", shape=BIG, extra=("max_ooms=1",), sim=HUNGRY)
-    loop, stop = study(job, 40)
+    # plausible first, and says why it stops when none is left. (Stage 1 runs layouts at memory-safe
+    # settings, which fit this trainer: its 12th launch, the first of stage 2, is made to run out.)
+    job = make_job("staged_blackbox", shape=BIG, extra=("max_ooms=1", "strategy.stage1_trials=11"), sim=HUNGRY)
+    launches = itertools.count(1)
+    loop, stop = study(job, 40, oom_if=lambda cand: next(launches) == 12)
     runs = launched(loop)
     oom = next(o for o in runs if o.kind == "oom")
     after = [o for o in loop.outcomes if o.trial_number > oom.trial_number]
@@ -575,7 +588,9 @@ def test_staged_promotion_with_one_oom_left_takes_the_least_risk_setting_that_st
     study(job, 3)
     st = job.strategy
     o = next(o for o in st.history if o.ok)
-    heavy = job.space.normalize({**o.candidate, "recompute_granularity": "full", "recompute_method": "uniform",
+    # without a pipeline: full/uniform has one chunk size there, so every lighter setting is block or lighter
+    heavy = job.space.normalize({**{k: v for k, v in o.candidate.items() if k != "vp"}, "pp": 1,
+                                 "recompute_granularity": "full", "recompute_method": "uniform",
                                  "recompute_num_layers": 1})
     worst = dataclasses.replace(o, candidate=heavy)
     st._ooms = lambda: st.max_ooms - 1
@@ -865,8 +880,9 @@ def test_staged_layout_runs_keep_to_the_recompute_the_job_allows():
 
 def test_staged_runs_layouts_without_interleaving_and_tunes_vp_with_the_settings():
     # stage 1's memory-safe settings run no interleaving (vp=1 holds the fewest activations); the virtual
-    # pipeline size is one of the settings stage 2 tunes on a pipelined layout
-    job = make_job("staged_blackbox", n_gpus=32, gbs=64, extra=("strategy.stage1_trials=8",))
+    # pipeline size is one of the settings stage 2 tunes on a pipelined layout (a model whose fast layouts
+    # are pipelined on 40 GB GPUs)
+    job = make_job("staged_blackbox", n_gpus=32, gbs=64, shape=BIG, extra=("strategy.stage1_trials=8",))
     loop, _ = study(job, 40)
     runs = launched(loop)
     assert all(o.candidate.get("vp", 1) == 1 for o in runs if o.stage == "layout")

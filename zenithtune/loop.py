@@ -357,7 +357,7 @@ class StudyLoop:
         if predicted is not None:
             trial.set_user_attr(Attr.PREDICTED_GB, round(predicted, 2))
         broken = list(verdict.reasons)
-        vetoed = None if proposal.veto is None else proposal.veto(cand)
+        vetoed = None if broken or proposal.veto is None else proposal.veto(cand)  # Megatron's word first
         if vetoed:
             broken = [("strategy", vetoed)]
         if broken and broken[0][0] == MEMORY_RULE and proposal.probe_memory:
