@@ -44,6 +44,7 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    MoE space's valid layouts are sparse), at memory-safe settings; the next is the one whose changed
    values did best in the runs so far (mean log throughput per dimension value, recompute work taken
    out). Stage 1's budget covers few layouts of a large MoE space; this walks from where it landed.
+   Once the study has spent its `max_ooms`, only a layout whose memory-safe settings a run proves fit.
 5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
    the `top_layouts` best measured layouts; the one holding the best result gets most proposals, the
    runners-up every third. Both stages ask the same study, so TPE learns from every trial. Once the
