@@ -484,7 +484,8 @@ class MemoryModel:
       scale: both are fitted and the one the evidence favours predicts (`folds`). A measured "max
       reserved" replaces the assumed fragmentation by the one measured on runs
       that recompute alike (full recompute fragments more), and proves that what lies outside the
-      allocator (CUDA context, NCCL buffers) is at most what the run left of the GPU. The
+      allocator (CUDA context, NCCL buffers) is at most what the run left of the GPU; an OOM message
+      shows how much lies there (`outside_gb`), which then replaces the assumed DEFAULT_OVERHEAD_GB. The
       fit's posterior also says how uncertain a prediction still is (`predict_sd`).
     * An OOM adds what it proves: the config needed more than the GPU has (and more than the OOM
       message's "in use" + "tried to allocate" where known), as a lower bound the fit respects as far
@@ -595,9 +596,9 @@ class MemoryModel:
     def _seen_outside(self, est: MemoryEstimate) -> float | None:
         """What OOM messages showed in use outside the allocator, carried over to `est` by what the
         estimate puts there beyond each failed run (TE userbuffers): the largest. None before an OOM
-        message said it. The assumed DEFAULT_OVERHEAD_GB is a guess for an unknown cluster (a plain
-        H100 holds ~1.5 GB there, a trainer with CUDA graphs or large NCCL buffers 5-8): an OOM
-        measures it, and the screen's last few GB, where fast configurations live, depend on it."""
+        message said it. The assumed DEFAULT_OVERHEAD_GB is a guess for an unknown cluster (the plain
+        simulator's H100 holds ~1.5 GB there, a trainer with CUDA graphs or large NCCL buffers 5-8): an
+        OOM measures it, and the screen's last few GB, where fast configurations live, depend on it."""
         if not self._outside:
             return None
         return max(max(gb + self._assumed_fixed(est) - self._assumed_fixed(e), 0.0) for e, _, gb in self._outside)
