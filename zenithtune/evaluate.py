@@ -534,13 +534,12 @@ class TrainingClock:
 
 # --- memory evidence for the memory model (zenithtune.memory.MemoryModel) ---------------------------
 _MEGATRON_RESERVED = re.compile(rf"memory \(MB\).*?\|\s*max reserved:\s*({_NUMBER})")
-_OOM = re.compile(rf"Tried to allocate ({_NUMBER}) ([GM]i?B).*?this process has ({_NUMBER}) ([GM]i?B) memory in use",
-                  re.DOTALL)
-# PyTorch's OOM message goes on: "Of the allocated memory Y GiB is allocated by PyTorch, and Z MiB is reserved
-# by PyTorch but unallocated": what this process had in use beyond Y + Z lay outside PyTorch's allocator
-_OOM_SPLIT = re.compile(rf"this process has ({_NUMBER}) ([GM]i?B) memory in use\.\s*Of the allocated memory "
-                        rf"({_NUMBER}) ([GM]i?B) is allocated by PyTorch, and ({_NUMBER}) ([GM]i?B) is reserved "
-                        rf"by PyTorch but unallocated")
+# PyTorch's OOM message, and where it goes on "Of the allocated memory Y GiB is allocated by PyTorch, and Z MiB
+# is reserved by PyTorch but unallocated", those two: what the process had in use beyond Y + Z lay outside
+# PyTorch's allocator
+_OOM = re.compile(rf"Tried to allocate ({_NUMBER}) ([GM]i?B).*?this process has ({_NUMBER}) ([GM]i?B) memory in use"
+                  rf"(?:\.\s*Of the allocated memory ({_NUMBER}) ([GM]i?B) is allocated by PyTorch, and ({_NUMBER}) "
+                  rf"([GM]i?B) is reserved by PyTorch but unallocated)?", re.DOTALL)
 
 
 def _gib(value: str, unit: str) -> float:
@@ -567,11 +566,13 @@ def memory_evidence(output: str) -> dict[str, float]:
     reserved = [float(v) for v in _MEGATRON_RESERVED.findall(output)]
     if reserved:
         out["reserved_gb"] = max(reserved) / 1024
-    needs = [_gib(tried, tried_unit) + _gib(in_use, use_unit)
-             for tried, tried_unit, in_use, use_unit in _OOM.findall(output)]
+    needs, outside = [], []
+    for tried, tried_unit, in_use, use_unit, alloc, alloc_unit, free, free_unit in _OOM.findall(output):
+        needs.append(_gib(tried, tried_unit) + _gib(in_use, use_unit))
+        if alloc:
+            outside.append(_gib(in_use, use_unit) - _gib(alloc, alloc_unit) - _gib(free, free_unit))
     if needs:
         out["needed_gb"] = max(needs)
-    outside = [_gib(u, uu) - _gib(a, au) - _gib(r, ru) for u, uu, a, au, r, ru in _OOM_SPLIT.findall(output)]
     if any(gb >= 0 for gb in outside):
         out["outside_gb"] = max(outside)
     return out

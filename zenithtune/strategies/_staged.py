@@ -485,14 +485,14 @@ class StagedBlackboxStrategy(Strategy):
         # the best score first (a stable sort keeps the space's order among equals); once the OOMs are
         # spent, only a layout whose memory-safe settings a run proves fit (the loop refuses the rest)
         spent = self._budget_spent()
-        pick = next((lay for lay in sorted(near, key=lambda lay: -score(lay))
-                     if not spent or not self._screened(self._safe_settings(dict(lay)))), None)
-        if pick is None:
+        steps = ((lay, self._safe_settings(dict(lay))) for lay in sorted(near, key=lambda lay: -score(lay)))
+        pick, cand = next(((lay, c) for lay, c in steps if not spent or not self._screened(c)), (None, None))
+        if pick is None or cand is None:
             return None
         self._stepped.add(pick)
         self._layout_steps += 1
         desc = " ".join(f"{k}={v}" for k, v in pick)
-        return Proposal(self._safe_settings(dict(pick)), stage=SETTINGS_STAGE, max_risk=self._safe_risk(),
+        return Proposal(cand, stage=SETTINGS_STAGE, max_risk=self._safe_risk(),
                         why=f"stage 2, layout next to the best (trial {best.trial_number}): {desc}, the one the "
                         f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
 
