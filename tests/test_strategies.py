@@ -990,28 +990,33 @@ def test_the_last_oom_is_risked_only_on_a_predicted_gain(last_oom_risk):
         assert all(g >= 1.02 for g in gains), gains  # such candidates exist here (last_oom_risk=1)
 
 
-@pytest.mark.parametrize("risk", [0.05, 0.2])
+@pytest.mark.parametrize("risk", [0.03, 0.2])
 def test_the_last_oom_is_not_risked_on_a_launch_predicted_below_the_best(risk):
-    # A launch predicted below the best is hopeful only through its uncertainty; with one OOM left, one
-    # carrying more than RISK_DONE (10 %) must at least be predicted to match the best (robustness.py, the
-    # stand-in 128-expert MoE with noise: a TP4 EP4 layout predicted 25 % below the best spent the last OOM
-    # at 20 %, and the optimum near the memory edge could not be proven after it). At 5 % such launches run.
+    # A launch predicted below the best is hopeful only through its uncertainty; with one OOM left it runs
+    # only where a run that fit proves it fits, whatever risk the learned model gives it (robustness.py,
+    # the stand-in 128-expert MoE with noise: a TP2 PP8 VP6 MBS 4 layout predicted 16 % below the best
+    # spent the last OOM at a 3 % risk, and the optimum one CP step from the best could not be proven
+    # after it: 0.569 of the optimum).
     job = make_job("heuristic", extra=("strategy.neighbours=0", "strategy.test_both_granularities=false"))
     study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
     s = job.strategy
     assert s._ooms() == 1
     s._risk = lambda c: (risk, None)
     target = max(s._speed(o) for o in s._reps().values())
-    gains, pending = [], []
-    while len(pending) < 10 and (p := s.ask(pending)) is not None:
-        pending.append(p.fixed)
-        if not p.repeat and not p.probe_memory and not p.why.startswith(("test, don't assume", "explore")):
-            gains.append(s._predicted[s.space.key(p.fixed)][0] / target)
-    assert gains
-    if risk < 0.1:
-        assert any(g < 1 for g in gains), gains  # such candidates exist here
-    else:
-        assert all(g >= 1 for g in gains), gains
+
+    def below_the_best(n):
+        found, pending = [], []
+        while len(pending) < n and (p := s.ask(pending)) is not None:
+            pending.append(p.fixed)
+            if not p.repeat and not p.probe_memory and not p.why.startswith(("test, don't assume", "explore")) \
+                    and s._predicted[s.space.key(p.fixed)][0] < target:
+                found.append(p.fixed)
+        return found
+
+    unproven = lambda c: not (s.judge.assess(c).fits_surely or s.judge.assess(c).proven_fit)  # noqa: E731
+    assert not [c for c in below_the_best(10) if unproven(c)]
+    s.max_ooms = 3  # two OOMs left: such long shots exist here and run
+    assert [c for c in below_the_best(10) if unproven(c)]
 
 
 @pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])
@@ -1031,10 +1036,10 @@ def test_the_last_oom_is_staked_only_when_nothing_safer_could_beat_the_best(last
     runs, pending = [], []
     while len(pending) < 12 and (p := s.ask(pending)) is not None:
         pending.append(p.fixed)
-        if not p.repeat and not p.probe_memory:
-            runs.append((p.fixed["mbs"] == 1, p.why))
+        if not p.repeat and not p.probe_memory and not p.why.startswith(("explore", "test, don't assume")):
+            runs.append((p.fixed["mbs"] == 1, p.why))  # a launch for its predicted gain
     risky = [r for r, _ in runs]
-    assert True in risky and risky.count(False) >= 3, runs
+    assert True in risky and risky.count(False) >= 2, runs
     last_safe = len(risky) - 1 - risky[::-1].index(False)
     if last_oom_risk == 1.0:
         assert risky.index(True) < last_safe, runs  # the risky one went first
