@@ -42,8 +42,11 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
 4. Layout steps: up to `layout_steps` unmeasured layouts next to the best one (one dimension one value
    up or down, or one up and another down; where none is left, one or two dimensions to any value: a
    MoE space's valid layouts are sparse), at memory-safe settings; the next is the one whose changed
-   values did best in the runs so far (mean log throughput per dimension value, recompute work taken
-   out). Stage 1's budget covers few layouts of a large MoE space; this walks from where it landed.
+   values did best in the runs so far (an additive model of every run's log throughput, recompute work
+   taken out, one effect per dimension value, MBS and vp, fitted jointly: stage 1's random layouts share
+   values by chance, and a tuned layout must not look better for its MBS). Stage 1's budget covers few
+   layouts of a large MoE space; this walks from where it landed, and a step that finds a better layout
+   does not count against `layout_steps`.
    Once the study has spent its `max_ooms`, only a layout whose memory-safe settings a run proves fit.
 5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
    the `top_layouts` best measured layouts; the one holding the best result gets most proposals, the
@@ -59,6 +62,8 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS, SWITCH_PARAMS, settings
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 from zenithtune.validate import candidate_modules
@@ -70,6 +75,8 @@ if TYPE_CHECKING:
 
 LAYOUT_STAGE = "layout"
 SETTINGS_STAGE = "settings"
+LAYOUT_STEP_WHY = "stage 2, layout next to the best"
+EFFECT_SHRINK = 0.25  # the ridge penalty on each layout dimension value's effect (`_effects`)
 SAFE_SHARE = 0.9  # stage 1's settings must be predicted to use at most this share of GPU memory
 # Recompute from cheapest to most memory-saving; stage 1 takes the first that fits.
 # Module sets of selective recompute (those the space does not search are invalid there, and skipped)
@@ -174,7 +181,14 @@ class StagedBlackboxStrategy(Strategy):
             self.tell(o)
 
     def tell(self, outcome: Outcome) -> None:
+        before = self.best()
         super().tell(outcome)
+        if (outcome.why or "").startswith(LAYOUT_STEP_WHY) and outcome.ok and self.best() is outcome and \
+                before is not None and before is not outcome:
+            # a step that found a better layout does not count against `layout_steps`: the walk goes on
+            # from there (the 64-expert MoE on 64 H100: the EP 4->8 step won with the budget spent, and
+            # PP 2->1 from it, the optimum, was never taken: 0.874)
+            self._layout_steps -= 1
         lay = _layout(self.space, outcome.candidate)
         self._seen.setdefault(lay, set()).add(self.space.key(outcome.candidate))
         if outcome.ok and (lay not in self._best or self.better(outcome.value, self._best[lay].value)):  # type: ignore[arg-type]
@@ -462,21 +476,19 @@ class StagedBlackboxStrategy(Strategy):
         near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
         if not near:
             return None
-        # What the runs so far say of each dimension's value, on their own: the mean log of each measured
-        # layout's best (its recompute work taken out), per value, relative to the mean of all. A
-        # neighbour scores the sum over the values it changes; no model of the trainer is involved.
+        # What the runs so far say of each dimension's value: an additive model of the log throughput of
+        # every measured run (its recompute work taken out), one effect per layout dimension value, MBS and
+        # virtual pipeline size, fitted jointly and shrunk toward none (`_effects`): a layout that stage 2
+        # has tuned does not look better than one measured at memory-safe settings for its MBS. A
+        # neighbour scores the sum over the layout values it changes; no model of the trainer is involved.
         # (a score that is not a positive number, e.g. 0 from a broken log line, says nothing of speed)
-        rows = [(dict(lay), math.log(self.rate(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
-                for lay, o in self._best.items() if o.usable]
+        rows = [({**dict(_layout(self.space, o.candidate)), "mbs": o.candidate.get("mbs", 1),
+                  "vp": o.candidate.get("vp", 1)},
+                 math.log(self.rate(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
+                for o in self.history if o.usable]
         if not rows:
             return None
-        mean = sum(r for _, r in rows) / len(rows)
-        effect: dict[str, dict] = {}
-        for d in here:
-            groups: dict = {}
-            for lay, r in rows:
-                groups.setdefault(lay.get(d), []).append(r)
-            effect[d] = {v: sum(rs) / len(rs) - mean for v, rs in groups.items()}
+        effect = _effects(rows, [*here, "mbs", "vp"])
 
         def score(lay: tuple) -> float:
             n = dict(lay)
@@ -493,7 +505,7 @@ class StagedBlackboxStrategy(Strategy):
         self._layout_steps += 1
         desc = " ".join(f"{k}={v}" for k, v in pick)
         return Proposal(cand, stage=SETTINGS_STAGE, max_risk=self._safe_risk(),
-                        why=f"stage 2, layout next to the best (trial {best.trial_number}): {desc}, the one the "
+                        why=f"{LAYOUT_STEP_WHY} (trial {best.trial_number}): {desc}, the one the "
                         f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
 
     def _adjacent(self, a: dict, b: dict) -> int:
@@ -609,3 +621,26 @@ def _rec(c: dict) -> str:
     if c.get("vit_gradient_checkpointing") is not None:
         s += f", ViT checkpointing {'on' if c['vit_gradient_checkpointing'] else 'off'}"
     return s
+
+
+def _effects(rows: list[tuple[dict, float]], dims: list[str]) -> dict[str, dict]:
+    """Per dimension and value, its effect on the log throughput of the measured runs (`rows`): the
+    least-squares fit of an additive model (the mean plus one effect per dimension value), each effect
+    shrunk toward 0 by EFFECT_SHRINK (ridge), so a value measured once says less than one measured often.
+    Fitted jointly, not as the mean of each value's runs on its own: stage 1's layouts are drawn at random,
+    and a value's runs share other values by chance (on the 64-expert MoE on 64 H100 the PP1 layouts
+    drawn mostly had CP 2-4 or TP 4-8, so PP1 looked slow and the best layout's PP 2->1 step, the optimum,
+    was never taken: 0.874). A candidate measured more than once weighs more, as it should."""
+    cols = sorted({(d, lay.get(d)) for lay, _ in rows for d in dims}, key=str)
+    at = {c: i for i, c in enumerate(cols)}
+    x = np.zeros((len(rows), len(cols)))
+    for i, (lay, _) in enumerate(rows):
+        for d in dims:
+            x[i, at[(d, lay.get(d))]] = 1.0
+    y = np.array([r for _, r in rows])
+    y = y - y.mean()
+    beta = np.linalg.solve(x.T @ x + EFFECT_SHRINK * np.eye(len(cols)), x.T @ y)
+    effect: dict[str, dict] = {d: {} for d in dims}
+    for (d, v), b in zip(cols, beta):
+        effect[d][v] = float(b)
+    return effect
