@@ -35,7 +35,9 @@ How it chooses (each launch says which of these made it):
    among those the learned memory model gives at most `probe_risk` of running out; a second probe (or
    one after an OOM) only while an OOM of `max_ooms` is left and after everything else (step 5, 7).
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
-   without it, and without if it won with it, since some trainers make full the faster; and each layout
+   without it, and without if it won with it, since some trainers make full the faster; at twice and
+   half the best's MBS where no run on that layout had it (`test_mbs`: the MBS gain and its activation
+   cost are what trainers differ in most); and each layout
    one TP / PP / CP / EP step (x2 or /2) from the best layout that no run measured is measured once (any
    expert TP where the step cannot keep the best's), its variant of highest prior x (1 - OOM risk) that
    may be launched (`neighbours` per study): a trainer whose law the prior lacks (an all-to-all that
@@ -169,7 +171,7 @@ class HeuristicStrategy(Strategy):
                  cp_min_tokens: int = 4096, tp_within_node: bool = True, test_both_granularities: bool = True,
                  memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02, max_ooms: int = 2,
                  oom_risk: float = 0.5, probe_risk: float = 0.95, repeats: int = 20, noise: float = 0.02,
-                 explore_layouts: int = 4, neighbours: int = 6, last_oom_risk: float = 0.25):
+                 explore_layouts: int = 4, neighbours: int = 6, last_oom_risk: float = 0.25, test_mbs: bool = True):
         for name, v in (("first_fit", first_fit), ("fit", fit)):
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be a share of GPU memory in (0, 1.5] (e.g. 0.85)")
@@ -183,6 +185,7 @@ class HeuristicStrategy(Strategy):
         self.cp_min_tokens = int(cp_min_tokens)
         self.tp_within_node = bool(tp_within_node)
         self.test_both_granularities = bool(test_both_granularities)
+        self.test_mbs = bool(test_mbs)  # measure the best layout at twice (and half) the best's MBS before stopping
         if memory_probes < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1 or not 0 < probe_risk <= 1:
             raise ValueError(f"memory_probes={memory_probes} (>= 0), probe_reach={probe_reach} (0..0.5), "
                              f"probe_gain={probe_gain} (0..1) or probe_risk={probe_risk} (0..1) is out of range")
@@ -840,10 +843,11 @@ class HeuristicStrategy(Strategy):
 
     def _bests_tests(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
                      max_risk: float = 1.0) -> Proposal | None:
-        """Test, don't assume: the best layout's other recompute granularity, then its one-step neighbours --
+        """Test, don't assume: the best layout's other recompute granularity, its MBS doubled and halved, then
+        its one-step neighbours --
         once the noise has had its say on which layout is the best (`_settle_best`)."""
         return self._settle_best(best, reps) or self._granularity_check(best, tried, reps, max_risk) or \
-            self._neighbour(best, tried, reps, max_risk)
+            self._mbs_check(best, tried, reps, max_risk) or self._neighbour(best, tried, reps, max_risk)
 
     def _settle_best(self, best: Outcome, reps: dict[tuple, Outcome]) -> Proposal | None:
         """The best's tests go to its layout's neighbourhood, so which layout is the best is decided first:
@@ -888,6 +892,40 @@ class HeuristicStrategy(Strategy):
                 continue
             return Proposal(dict(cand), why=f"test, don't assume: recompute {_rec_desc(cand)} on the best layout "
                             f"(trial {best.trial_number} won with {_rec_desc(b)})")
+        return None
+
+    def _mbs_check(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
+                   max_risk: float = 1.0) -> Proposal | None:
+        """Test, don't assume: the best layout is also measured at twice the best's MBS and at half of it,
+        where no run on that layout had that MBS: how GEMMs gain with a larger micro-batch, and what its
+        activations cost, are what trainers differ in most (on the stand-in 64-expert MoE the optimum is
+        the best layout at MBS 2 with 7 layers recomputed, 8 % faster than MBS 1; the prior predicted it
+        15 % slower, and no MBS 2 ran on that layout: 0.925). Its variant of highest prior x (1 - OOM risk)
+        that may be launched: the lightest recompute that surely fits, the learned model weighing the rest."""
+        if not self.test_mbs:
+            return None
+        b = best.candidate
+        lay, mbs = _lay(b), b.get("mbs")
+        if not isinstance(mbs, int):
+            return None
+        ran = {o.candidate.get("mbs") for o in self.history if o.launched and _lay(o.candidate) == lay}
+        ran |= {c.get("mbs") for c in self._pending if _lay(c) == lay}
+        for m in (2 * mbs, mbs // 2):
+            if m < 1 or m == mbs or m in ran:
+                continue
+            options = []
+            for i, c in enumerate(self._pool):
+                if self._keys[i] in tried or _lay(c) != lay or c.get("mbs") != m or self._ruled_out(c, reps) or \
+                        not self._fits(c, self.fit)[0]:
+                    continue
+                r = self._risk(c)[0]
+                if r <= max_risk:
+                    options.append((-self._prior[i] * (1 - r), i))
+            if options:
+                cand = self._pool[min(options)[1]]
+                return Proposal(dict(cand), why=f"test, don't assume: mbs {mbs}->{m} on the best layout "
+                                f"(trial {best.trial_number}), never measured there, with {_rec_desc(cand)}; "
+                                f"{self._fits(cand, self.fit)[1]}")
         return None
 
     def _neighbour(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
