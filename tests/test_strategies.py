@@ -659,24 +659,30 @@ def test_staged_layout_steps_judge_each_value_with_the_others_held_fixed():
 def test_a_staged_layout_step_that_finds_a_better_layout_does_not_spend_the_walk():
     # The walk from the best goes on while it finds better layouts: on the 64-expert MoE on 64 H100 the
     # EP 4->8 step won with the layout_steps budget spent, and PP 2->1 from it, the optimum, was never
-    # taken (0.874).
+    # taken (0.874). The count comes from the told steps, so a resumed study keeps it.
     from zenithtune.strategies._staged import LAYOUT_STEP_WHY
     job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
     st = job.strategy
     st.setup(job, [])
     lays = [dict(lay) for lay in st._by_layout]
-    first, second = lays[0], lays[1]
-    st.tell(Outcome(candidate={**first, "mbs": 1, "recompute_granularity": "none"}, state="complete", value=100.0,
-                    launched=True, trial_number=0))
-    st._layout_steps = st.layout_steps  # the budget is spent
-    assert st._layout_step(st.best()) is None
-    st.tell(Outcome(candidate={**second, "mbs": 1, "recompute_granularity": "none"}, state="complete", value=90.0,
-                    launched=True, trial_number=1, why=f"{LAYOUT_STEP_WHY} (trial 0): slower"))
-    assert st._layout_step(st.best()) is None  # a step that lost spent its share
-    st.tell(Outcome(candidate={**second, "mbs": 2, "recompute_granularity": "none"}, state="complete", value=120.0,
-                    launched=True, trial_number=2, why=f"{LAYOUT_STEP_WHY} (trial 0): faster"))
-    step = st._layout_step(st.best())
-    assert step is not None and step.why.startswith(f"{LAYOUT_STEP_WHY} (trial 2)"), step
+    n = st.layout_steps
+
+    def run(lay, value, i, why=""):
+        st.tell(Outcome(candidate={**lay, "mbs": 1, "recompute_granularity": "none"}, state="complete",
+                        value=value, launched=True, trial_number=i, why=why))
+
+    run(lays[0], 100.0, 0)
+    for i in range(1, n):  # steps that lost: one is left
+        run(lays[i], 90.0, i, f"{LAYOUT_STEP_WHY} (trial 0): slower")
+    assert st._steps_spent() == n - 1
+    run(lays[n], 120.0, n, f"{LAYOUT_STEP_WHY} (trial 0): faster")  # it won: still one left
+    assert st._steps_spent() == n - 1
+    resumed = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE).strategy
+    resumed.setup(job, list(st.history))
+    for s in (st, resumed):
+        step = s._layout_step(s.best())
+        assert step is not None and step.why.startswith(f"{LAYOUT_STEP_WHY} (trial {n})"), step
+        assert s._layout_step(s.best()) is None  # that one was the last
 
 
 # --- noise: repeats -------------------------------------------------------------------------------------

@@ -804,8 +804,7 @@ class HeuristicStrategy(Strategy):
         layout predicted 16 % below the best spent the last OOM at a 3 % risk, and the optimum, one CP step
         from the best, could then not be proven; before, a TP4 EP4 layout predicted 25 % below spent it
         at 20 %)."""
-        if fits and risk > RISK_DONE and self._one_oom_left() and risk > self.last_oom_risk \
-                and gain < 1 + self.probe_gain:
+        if fits and risk > max(RISK_DONE, self.last_oom_risk) and self._one_oom_left() and gain < 1 + self.probe_gain:
             return False, (f"{mem}: a {100 * risk:.0f} % risk of spending the last OOM max_ooms={self.max_ooms} "
                            f"allows, for a predicted gain under {100 * self.probe_gain:g} %")
         if fits and gain < 1 and self._one_oom_left():
@@ -844,8 +843,7 @@ class HeuristicStrategy(Strategy):
     def _bests_tests(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
                      max_risk: float = 1.0) -> Proposal | None:
         """Test, don't assume: the best layout's other recompute granularity, its MBS doubled and halved, then
-        its one-step neighbours --
-        once the noise has had its say on which layout is the best (`_settle_best`)."""
+        its one-step neighbours -- once the noise has had its say on which layout is the best (`_settle_best`)."""
         return self._settle_best(best, reps) or self._granularity_check(best, tried, reps, max_risk) or \
             self._mbs_check(best, tried, reps, max_risk) or self._neighbour(best, tried, reps, max_risk)
 
@@ -901,7 +899,7 @@ class HeuristicStrategy(Strategy):
         activations cost, are what trainers differ in most (on the stand-in 64-expert MoE the optimum is
         the best layout at MBS 2 with 7 layers recomputed, 8 % faster than MBS 1; the prior predicted it
         15 % slower, and no MBS 2 ran on that layout: 0.925). Its variant of highest prior x (1 - OOM risk)
-        that may be launched: the lightest recompute that surely fits, the learned model weighing the rest."""
+        that may be launched: the learned memory model decides how much recompute the larger MBS takes."""
         if not self.test_mbs:
             return None
         b = best.candidate

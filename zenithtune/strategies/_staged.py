@@ -175,7 +175,8 @@ class StagedBlackboxStrategy(Strategy):
         self._neighboured: set[tuple] = set()  # (best's key, mbs) already proposed as an MBS neighbour
         self._values: dict[str, list] = {}  # each layout dimension's values, sorted
         self._stepped: set[tuple] = set()  # layouts proposed as a step from the best
-        self._layout_steps = 0
+        self._step_wins = 0  # layout steps that found a better layout: not counted against `layout_steps`
+        self._steps_asked: set[tuple] = set()  # keys of the layout steps this process proposed
         super().setup(judge, [], direction, metric)
         for o in history:
             self.tell(o)
@@ -188,7 +189,7 @@ class StagedBlackboxStrategy(Strategy):
             # a step that found a better layout does not count against `layout_steps`: the walk goes on
             # from there (the 64-expert MoE on 64 H100: the EP 4->8 step won with the budget spent, and
             # PP 2->1 from it, the optimum, was never taken: 0.874)
-            self._layout_steps -= 1
+            self._step_wins += 1
         lay = _layout(self.space, outcome.candidate)
         self._seen.setdefault(lay, set()).add(self.space.key(outcome.candidate))
         if outcome.ok and (lay not in self._best or self.better(outcome.value, self._best[lay].value)):  # type: ignore[arg-type]
@@ -466,7 +467,7 @@ class StagedBlackboxStrategy(Strategy):
     def _layout_step(self, best: Outcome) -> Proposal | None:
         """Step 4: an unmeasured layout next to the best one (`_adjacent`: the nearest first), the one
         that measurements so far favour, at memory-safe settings."""
-        if self._layout_steps >= self.layout_steps:
+        if self._steps_spent() >= self.layout_steps:
             return None
         here = dict(_layout(self.space, best.candidate))
         tier = {lay: self._adjacent(dict(lay), here) for lay in self._by_layout
@@ -502,11 +503,17 @@ class StagedBlackboxStrategy(Strategy):
         if pick is None or cand is None:
             return None
         self._stepped.add(pick)
-        self._layout_steps += 1
+        self._steps_asked.add(self.space.key(cand))
         desc = " ".join(f"{k}={v}" for k, v in pick)
         return Proposal(cand, stage=SETTINGS_STAGE, max_risk=self._safe_risk(),
                         why=f"{LAYOUT_STEP_WHY} (trial {best.trial_number}): {desc}, the one the "
                         f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
+
+    def _steps_spent(self) -> int:
+        """Layout steps counted against `layout_steps`: those told (a resumed study's too) and those still
+        running, less those that found a better layout."""
+        told = [self.space.key(o.candidate) for o in self.history if (o.why or "").startswith(LAYOUT_STEP_WHY)]
+        return len(told) + len(self._steps_asked - set(told)) - self._step_wins
 
     def _adjacent(self, a: dict, b: dict) -> int:
         """How near layout a is to b: 1 for one dimension one value up or down, or two dimensions one
