@@ -1059,13 +1059,14 @@ def test_the_last_oom_is_risked_only_on_a_predicted_gain(last_oom_risk):
         assert all(g >= 1.02 for g in gains), gains  # such candidates exist here (last_oom_risk=1)
 
 
-@pytest.mark.parametrize("risk", [0.03, 0.2])
+@pytest.mark.parametrize("risk", [0.005, 0.03, 0.2])
 def test_the_last_oom_is_not_risked_on_a_launch_predicted_below_the_best(risk):
     # A launch predicted below the best is hopeful only through its uncertainty; with one OOM left it runs
-    # only where a run that fit proves it fits, whatever risk the learned model gives it (robustness.py,
-    # the stand-in 128-expert MoE with noise: a TP2 PP8 VP6 MBS 4 layout predicted 16 % below the best
-    # spent the last OOM at a 3 % risk, and the optimum one CP step from the best could not be proven
-    # after it: 0.569 of the optimum).
+    # only where a run that fit proves it fits or the learned model gives it at most LONG_SHOT_RISK (1 %)
+    # (robustness.py, the stand-in 128-expert MoE with noise: a TP2 PP8 VP6 MBS 4 layout predicted 16 %
+    # below the best spent the last OOM at a 3 % risk, and the optimum one CP step from the best could not
+    # be proven after it: 0.569 of the optimum; search.py's Mixtral: the optimum, 74 of 79 GB at ~0 risk,
+    # was predicted 1 % below the best and must still run).
     job = make_job("heuristic", extra=("strategy.neighbours=0", "strategy.test_both_granularities=false"))
     study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
     s = job.strategy
@@ -1083,6 +1084,9 @@ def test_the_last_oom_is_not_risked_on_a_launch_predicted_below_the_best(risk):
         return found
 
     unproven = lambda c: not (s.judge.assess(c).fits_surely or s.judge.assess(c).proven_fit)  # noqa: E731
+    if risk <= 0.01:
+        assert [c for c in below_the_best(10) if unproven(c)]  # all but certain to fit: they run
+        return
     assert not [c for c in below_the_best(10) if unproven(c)]
     s.max_ooms = 3  # two OOMs left: such long shots exist here and run
     assert [c for c in below_the_best(10) if unproven(c)]
