@@ -917,19 +917,12 @@ class HeuristicStrategy(Strategy):
         for m in (2 * mbs, mbs // 2):
             if m < 1 or m == mbs or m in ran:
                 continue
-            options = []
-            for i, c in enumerate(self._pool):
-                if self._keys[i] in tried or _lay(c) != lay or c.get("mbs") != m or self._ruled_out(c, reps) or \
-                        not self._fits(c, self.fit)[0]:
-                    continue
-                r = self._risk(c)[0]
-                if r <= max_risk:
-                    options.append((-self._prior[i] * (1 - r), i))
-            if options:
-                cand = self._pool[min(options)[1]]
+            found = self._worth_most([i for i, c in enumerate(self._pool) if self._keys[i] not in tried
+                                      and _lay(c) == lay and c.get("mbs") == m], reps, max_risk)
+            if found is not None:
+                cand, mem = found
                 return Proposal(dict(cand), why=f"test, don't assume: mbs {mbs}->{m} on the best layout "
-                                f"(trial {best.trial_number}), never measured there, with {_rec_desc(cand)}; "
-                                f"{self._fits(cand, self.fit)[1]}")
+                                f"(trial {best.trial_number}), never measured there, with {_rec_desc(cand)}; {mem}")
         return None
 
     def _neighbour(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
@@ -966,19 +959,28 @@ class HeuristicStrategy(Strategy):
                 steps.setdefault(lay if lay in exact else _sizes(moved), ", ".join(f"{k} {v}->{n}" for k, v, n in step))
             step_of = lambda c: _lay(c, vp=False) if _lay(c, vp=False) in steps else _sizes(c)  # noqa: E731,B023
             # of each such layout, the variant worth most once the risk of running out of memory is priced in
-            # (prior x (1 - risk)): an OOM there would spend the study's `max_ooms` and teach nothing of speed
             options = [i for i, c in enumerate(self._pool) if step_of(c) in steps and step_of(c) not in measured
                        and self._keys[i] not in tried]
-            risk = {i: self._risk(self._pool[i])[0] for i in options}
-            for i in sorted(options, key=lambda i: -self._prior[i] * (1 - risk[i])):  # noqa: B023
-                cand = self._pool[i]
-                if risk[i] > max_risk or self._ruled_out(cand, reps):
-                    continue
-                fits, mem = self._fits(cand, self.fit)
-                if fits:
-                    return Proposal(dict(cand), why=f"{NEIGHBOUR_WHY}: layout {self._layout_note(cand)}, "
-                                    f"{steps[step_of(cand)]} from the best layout (trial {best.trial_number}), "
-                                    f"never measured; {mem}")
+            found = self._worth_most(options, reps, max_risk)
+            if found is not None:
+                cand, mem = found
+                return Proposal(dict(cand), why=f"{NEIGHBOUR_WHY}: layout {self._layout_note(cand)}, "
+                                f"{steps[step_of(cand)]} from the best layout (trial {best.trial_number}), "
+                                f"never measured; {mem}")
+        return None
+
+    def _worth_most(self, options: list[int], reps: dict[tuple, Outcome], max_risk: float) -> tuple[dict, str] | None:
+        """Of these pool indices, the variant worth most once the risk of running out of memory is priced in
+        (prior x (1 - risk): an OOM would spend the study's `max_ooms` and teach nothing of speed) that may be
+        launched -- at most `max_risk`, not ruled out by measured runs, fitting -- with `_fits`'s note."""
+        risk = {i: self._risk(self._pool[i])[0] for i in options}
+        for i in sorted(options, key=lambda i: -self._prior[i] * (1 - risk[i])):
+            cand = self._pool[i]
+            if risk[i] > max_risk or self._ruled_out(cand, reps):
+                continue
+            fits, mem = self._fits(cand, self.fit)
+            if fits:
+                return cand, mem
         return None
 
     # --- one line of why ----------------------------------------------------------------------------
