@@ -100,6 +100,9 @@ VIT_CHECKPOINT_WORK = 0.01
 OVERLAP_WORK = 0.03
 # A larger MBS that needs more recompute is tried next to the best only if it adds at most this much work.
 NEIGHBOUR_EXTRA_WORK = 0.1
+# Layout steps (`_layout_step`) start from the best layout and from every layout measured within this share
+# of it: the noise and unequal tuning can put the better one just below.
+STEP_REACH = 0.05
 
 
 class StagedBlackboxStrategy(Strategy):
@@ -465,23 +468,26 @@ class StagedBlackboxStrategy(Strategy):
         return None
 
     def _layout_step(self, best: Outcome) -> Proposal | None:
-        """Step 4: an unmeasured layout next to the best one (`_adjacent`: the nearest first), the one
-        that measurements so far favour, at memory-safe settings."""
+        """Step 4: an unmeasured layout next to the best one (`_adjacent`: the nearest first), or next to a
+        layout measured within STEP_REACH of it, the one that measurements so far favour, at memory-safe
+        settings."""
         if self._steps_spent() >= self.layout_steps:
             return None
-        here = dict(_layout(self.space, best.candidate))
-        tier = {lay: self._adjacent(dict(lay), here) for lay in self._by_layout
-                if lay not in self._best and lay not in self._stage1_layouts and lay not in self._stepped
-                and lay not in self._far}
-        # the nearest first: one value up or down; where none is left, one or two dimensions to any value
-        near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
-        if not near:
-            return None
+        top = self.rate(float(best.value))  # type: ignore[arg-type]
+        # Where the walk may start: the best layout and those within STEP_REACH of it. Under measurement
+        # noise, and with layouts tuned to different depths, such a layout may be the better one, and the
+        # optimum may lie next to it, not next to the best (the 64-expert MoE on 16 H100, stand-in trainer
+        # with noise: PP2 EP8 measured 0.8 % below PP4 EP4, and PP 2->1 from it, the optimum, was never a
+        # step: 0.861).
+        origins = [best, *sorted((o for o in self._best.values() if o is not best and
+                                  self.rate(float(o.value)) >= top * (1 - STEP_REACH)),  # type: ignore[arg-type]
+                                 key=lambda o: -self.rate(float(o.value)))]  # type: ignore[arg-type]
         # What the runs so far say of each dimension's value: an additive model of the log throughput of
         # every measured run (its recompute work taken out), one effect per layout dimension value, MBS and
         # virtual pipeline size, fitted jointly and shrunk toward none (`_effects`): a layout that stage 2
         # has tuned does not look better than one measured at memory-safe settings for its MBS. A
-        # neighbour scores the sum over the layout values it changes; no model of the trainer is involved.
+        # neighbour is predicted at its origin's measured value times the effects of the layout values it
+        # changes; no model of the trainer is involved.
         # (a score that is not a positive number, e.g. 0 from a broken log line, says nothing of speed)
         rows = [({**dict(_layout(self.space, o.candidate)), "mbs": o.candidate.get("mbs", 1),
                   "vp": o.candidate.get("vp", 1)},
@@ -489,25 +495,41 @@ class StagedBlackboxStrategy(Strategy):
                 for o in self.history if o.usable]
         if not rows:
             return None
+        here = dict(_layout(self.space, best.candidate))
         effect = _effects(rows, [*here, "mbs", "vp"])
-
-        def score(lay: tuple) -> float:
-            n = dict(lay)
-            return sum(effect[d].get(n.get(d), 0.0) - effect[d].get(here[d], 0.0) for d in here if n.get(d) != here[d])
-
-        # the best score first (a stable sort keeps the space's order among equals); once the OOMs are
+        open_ = [lay for lay in self._by_layout if lay not in self._best and lay not in self._stage1_layouts
+                 and lay not in self._stepped and lay not in self._far]
+        scored: dict[tuple, tuple[float, float, Outcome]] = {}  # layout -> (predicted log rate, score, origin)
+        for o in origins:
+            at = dict(_layout(self.space, o.candidate))
+            tier = {lay: self._adjacent(dict(lay), at) for lay in open_}
+            # the nearest first: one value up or down; where none is left, one or two dimensions to any value
+            near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
+            for lay in near:
+                n = dict(lay)
+                score = sum(effect[d].get(n.get(d), 0.0) - effect[d].get(at[d], 0.0) for d in at if n.get(d) != at[d])
+                pred = math.log(self.rate(float(o.value))) + score  # type: ignore[arg-type]
+                if lay not in scored or pred > scored[lay][0]:
+                    scored[lay] = (pred, score, o)
+        if not scored:
+            return None
+        # the best predicted first (a stable sort keeps the space's order among equals); once the OOMs are
         # spent, only a layout whose memory-safe settings a run proves fit (the loop refuses the rest)
         spent = self._budget_spent()
-        steps = ((lay, self._safe_settings(dict(lay))) for lay in sorted(near, key=lambda lay: -score(lay)))
+        steps = ((lay, self._safe_settings(dict(lay))) for lay in sorted(scored, key=lambda lay: -scored[lay][0]))
         pick, cand = next(((lay, c) for lay, c in steps if not spent or not self._screened(c)), (None, None))
         if pick is None or cand is None:
             return None
         self._stepped.add(pick)
         self._steps_asked.add(self.space.key(cand))
         desc = " ".join(f"{k}={v}" for k, v in pick)
+        _, score, origin = scored[pick]
+        origin_desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, origin.candidate))
+        via = "" if origin is best else (f", by a step from layout {origin_desc} (trial {origin.trial_number}), "
+                                         f"measured within {100 * STEP_REACH:g} % of it")
         return Proposal(cand, stage=SETTINGS_STAGE, max_risk=self._safe_risk(),
-                        why=f"{LAYOUT_STEP_WHY} (trial {best.trial_number}): {desc}, the one the "
-                        f"runs so far favour ({score(pick):+.2f} log), at memory-safe settings")
+                        why=f"{LAYOUT_STEP_WHY} (trial {best.trial_number}){via}: {desc}, the one the "
+                        f"runs so far favour ({score:+.2f} log), at memory-safe settings")
 
     def _steps_spent(self) -> int:
         """Layout steps counted against `layout_steps`: those told (a resumed study's too) and those still
