@@ -322,6 +322,12 @@ def noise_sd(groups: Iterable[list[float]], direction: str, assumed: float) -> f
     three candidates were repeated (a median of a few pairs' spreads is itself so noisy that two lucky
     pairs called 3 % noise 0.5 %); before that, `assumed`. Never below a quarter of `assumed`: repeats
     that agree exactly still leave near ties below that worth another run."""
+    measured = measured_noise(groups, direction)
+    return assumed if measured is None else max(assumed / 4, measured)
+
+
+def measured_noise(groups: Iterable[list[float]], direction: str) -> float | None:
+    """`noise_sd` as the repeats measured it, with no floor; None before three candidates were repeated."""
     ss, dof, repeated = 0.0, 0, 0
     for values in groups:
         if len(values) < 2:
@@ -331,9 +337,7 @@ def noise_sd(groups: Iterable[list[float]], direction: str, assumed: float) -> f
         mean = sum(kept) / len(kept)
         ss += sum((k - mean) ** 2 for k in kept)
         dof += len(kept) - 1
-    if repeated < 3 or not dof:
-        return assumed
-    return max(assumed / 4, math.sqrt(ss / dof))
+    return None if repeated < 3 or not dof else math.sqrt(ss / dof)
 
 
 def best_of(outcomes: list[Outcome], direction: str) -> Outcome | None:

@@ -84,8 +84,9 @@ class Strategy(ABC):
     exhaustive: bool = False
     # Why ask() returned None, in a few words for the study's footer ("nothing left could beat ...").
     stop_reason: str = ""
-    # True: the strategy measures its best again itself when noise could have decided it (repeats);
-    # False: the study loop spends the budget's last launches on that (loop.CONFIRM_AT_END).
+    # True: the strategy measures its best again itself when noise could have decided it (repeats), before
+    # it stops on its own; the study loop's last launches (loop.CONFIRM_AT_END) do it for the others, and
+    # for it only where the budget runs out under it on a trainer whose repeats showed noise.
     confirms_best: bool = False
     judge: Judge
     space: Space
