@@ -300,9 +300,7 @@ class StudyLoop:
             if not rivals:
                 return None
             other = min(rivals, key=lambda k: (abs(math.log(score[best] / score[k])) / se(k), ranked.index(k)))
-            k = other if count[other] <= count[best] else best
-            if count[k] >= CONFIRM_RUNS:
-                k = best if k == other else other
+            k = min((other, best), key=count.__getitem__)  # fewer runs (a tie: the rival); below CONFIRM_RUNS
             gap = abs(math.log(score[best] / score[other]))
             why = (f"the best two are {100 * gap:.1f} % apart, which the noise ({100 * noise:.1f} %) does not "
                    f"decide after {count[best]} and {count[other]} run{'s' if count[other] > 1 else ''}")
