@@ -604,6 +604,31 @@ def test_more_samples_per_rank_at_the_same_tokens_are_not_proven_to_fit():
     assert mm.proven_fit(replace(more, mbs=2))
 
 
+def test_a_miss_the_fit_learned_to_predict_stops_widening_every_prediction():
+    # A trainer whose activations take 2.2x the estimate's: its first run, activation-heavy, lands 40 % over
+    # the prediction -- beyond the prior's doubt, so every later prediction is doubted by 40 %
+    # (model_error). Runs that vary the activations' share then teach the fit that scale, and the fit
+    # without the first run predicts it; its miss stops counting. A doubt kept for good hid the 64-expert
+    # MoE's optimum, 78 of 79 GB, behind a coin toss (robustness.py, stand-in trainer: 0.925 of optimum).
+    mm = MemoryModel(LLAMA8, 141)
+
+    def run(lay: Layout) -> None:
+        x = mm._x(mm.estimate(lay))
+        peak = float(x.sum() + 1.2 * x[2])
+        mm.observe_success(lay, measured_peak_gb=peak, reserved_gb=peak * 1.1)
+
+    unseen = Layout(8, 64, tp=1, mbs=2)
+    run(Layout(8, 64, tp=2, sequence_parallel=True, mbs=2))
+    assert mm.model_error > 0.3
+    for lay in (Layout(8, 64, tp=4, sequence_parallel=True, mbs=1), Layout(8, 64, tp=2, sequence_parallel=True, mbs=1)):
+        run(lay)
+    assert mm.model_error > 0.3  # two other runs: too few to judge the first as a prediction
+    assert mm.predict_sd(unseen) > 0.3 * mm.predict(unseen)
+    run(Layout(8, 64, tp=2, pp=2, sequence_parallel=True, mbs=4))
+    assert mm.model_error == pytest.approx(memory.MODEL_ERROR)
+    assert mm.predict_sd(unseen) < 0.05 * mm.predict(unseen)
+
+
 @pytest.mark.parametrize("odd", [1.0, 1.8])
 def test_a_miss_the_law_now_favoured_predicts_stops_widening_every_prediction(odd):
     # A folding trainer's first run at TP 4 / expert TP 1 holds 4x the routed tokens the estimate's law

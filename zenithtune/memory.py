@@ -372,8 +372,7 @@ def gpu_capacity_gb(configured: float | None) -> float:
 COMPONENT_SD = 0.25
 MEASURED_SD = 0.02
 MODEL_ERROR = 0.02  # the least error of a learned prediction (allocator, workspaces), share of the prediction
-RECENT_MISSES = 3  # how many of the latest observations' misses widen it
-MIN_REJUDGE = 3  # configurations measured besides a miss before another law may explain it away
+MIN_REJUDGE = 3  # configurations measured besides a miss before a refit may explain it away
 DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration must need to be ruled out unseen
 
 
@@ -532,7 +531,7 @@ class MemoryModel:
         # observations the model did not expect: (how far off, as a share; the estimate; what was seen, GB;
         # an OOM's lower bound?; under the folding law?), re-judged under the other law of expert splitting
         # once it is the one the evidence favours (`_fit`)
-        self._misses: list[tuple[float, MemoryEstimate, float, bool, bool]] = []
+        self._misses: list[tuple[float, MemoryEstimate, float, bool]] = []
 
     @property
     def limit_gb(self) -> float:
@@ -654,23 +653,22 @@ class MemoryModel:
         self._rejudge()
 
     def _rejudge(self) -> None:
-        """A miss the law the evidence now favours predicts is no evidence that the model cannot describe
-        this trainer (the 64-expert MoE on the stand-in trainer: a TP2 / expert TP1 run 46 % over its
-        prediction under the estimate's law kept every later prediction +-46 % uncertain, though the folding
-        law then predicted every run within 7 %). Judged as a prediction (by the law fitted without that
-        configuration's runs), and only once MIN_REJUDGE other configurations ran: one run agrees with
-        any law."""
+        """A miss the model as it now stands predicts is no evidence that the model cannot describe this
+        trainer: each is judged again as a prediction (by the current law fitted without that
+        configuration's runs), and kept only as far off as that prediction still is, once MIN_REJUDGE other
+        configurations ran (one run agrees with any fit). A miss recorded before the fit had learned what
+        it showed stays out of date otherwise: the 64-expert MoE on the stand-in trainer kept every later
+        prediction +-30 % uncertain from a TP2 MBS-4 run that came in before the per-sample growth was
+        learned, though the fit without that run then predicted it within 2 %, and the optimum, at 78 of
+        79 GB, stayed a coin toss; and a TP2 / expert TP1 run 46 % over its prediction under the estimate's
+        law of expert splitting, which the folding law then predicted within 7 %."""
         if len({id(e) for e, _ in self._measured}) <= MIN_REJUDGE:
             return
         kept = []
-        for miss in self._misses:
-            _, e, seen, least, folds = miss
-            if folds == self._folds:
-                kept.append(miss)
-                continue
+        for _, e, seen, least in self._misses:
             off = self._off(e, seen, least, self._without(e))
             if off is not None:
-                kept.append((off, e, seen, least, self._folds))
+                kept.append((off, e, seen, least))
         self._misses = kept
 
     def _without(self, est: MemoryEstimate) -> tuple[np.ndarray, np.ndarray]:
@@ -731,8 +729,9 @@ class MemoryModel:
     @property
     def model_error(self) -> float:
         """What no learned component captures, as a share of a prediction: MODEL_ERROR, or as far off as
-        the model was shown to be by its last observations (a trainer it cannot describe widens it)."""
-        return max([MODEL_ERROR, *(m[0] for m in self._misses[-RECENT_MISSES:])])
+        the model is on a run it had to predict (a trainer it cannot describe widens it). Every miss is
+        judged again as the fit learns (`_rejudge`), so one the model now predicts no longer counts."""
+        return max([MODEL_ERROR, *(m[0] for m in self._misses)])
 
     @staticmethod
     def _within(a: np.ndarray, b: np.ndarray) -> bool:
@@ -850,7 +849,7 @@ class MemoryModel:
         a measured "max allocated", or (`at_least`) what an OOM proved the whole GPU needed at least."""
         share = self._off(est, seen, at_least)
         if share is not None:
-            self._misses.append((share, est, seen, at_least, self._folds))
+            self._misses.append((share, est, seen, at_least))
 
     def _off(self, est: MemoryEstimate, seen: float, at_least: bool,
              fit: tuple[np.ndarray, np.ndarray] | None = None) -> float | None:
