@@ -532,6 +532,7 @@ class MemoryModel:
         # an OOM's lower bound?; under the folding law?), re-judged under the other law of expert splitting
         # once it is the one the evidence favours (`_fit`)
         self._misses: list[tuple[float, MemoryEstimate, float, bool]] = []
+        self._loo_error: float | None = None  # `_rejudge`
 
     @property
     def limit_gb(self) -> float:
@@ -653,23 +654,32 @@ class MemoryModel:
         self._rejudge()
 
     def _rejudge(self) -> None:
-        """A miss the model as it now stands predicts is no evidence that the model cannot describe this
-        trainer: each is judged again as a prediction (by the current law fitted without that
-        configuration's runs), and kept only as far off as that prediction still is, once MIN_REJUDGE other
-        configurations ran (one run agrees with any fit). A miss recorded before the fit had learned what
-        it showed stays out of date otherwise: the 64-expert MoE on the stand-in trainer kept every later
-        prediction +-30 % uncertain from a TP2 MBS-4 run that came in before the per-sample growth was
-        learned, though the fit without that run then predicted it within 2 %, and the optimum, at 78 of
-        79 GB, stayed a coin toss; and a TP2 / expert TP1 run 46 % over its prediction under the estimate's
-        law of expert splitting, which the folding law then predicted within 7 %."""
-        if len({id(e) for e, _ in self._measured}) <= MIN_REJUDGE:
+        """Once MIN_REJUDGE other configurations ran besides any one (one run agrees with any fit), judge
+        the model by how well it predicts each configuration it has not seen: `model_error` becomes the
+        root mean square of the relative errors of the fit without that configuration's runs on its
+        measured peak (and, for an OOM, on what it proved it needed, where the fit falls short of it).
+        Until then a miss beyond 2 sd widens every prediction by all it was off (`_miss`). A miss kept as
+        recorded goes out of date: the 64-expert MoE on the stand-in trainer kept every later prediction
+        +-30 % uncertain from a TP2 MBS-4 run that came in before the per-sample growth was learned, though
+        the fit without that run then predicted it within 2 %, and the optimum, at 78 of 79 GB, stayed a
+        coin toss (0.925). And the largest miss, as a share, is mostly a small run's: on the memory
+        trainer a 16 GB run 4 GB over its prediction held a 77 GB candidate at +-27 GB."""
+        configs = {id(e): e for e, _ in self._measured} | {id(e): e for e, _ in self._bounds}
+        if len(configs) <= MIN_REJUDGE:
+            self._loo_error = None
             return
-        kept = []
-        for _, e, seen, least in self._misses:
-            off = self._off(e, seen, least, self._without(e))
-            if off is not None:
-                kept.append((off, e, seen, least))
-        self._misses = kept
+        errors = []
+        for e in configs.values():
+            w, _ = self._without(e)
+            seen = [v for m, v in self._measured if m is e]
+            if seen:
+                predicted = float(self._xl(e) @ w)
+                errors.append((statistics.median(seen) - predicted) / max(predicted, 1e-9))
+            for m, need in self._bounds:
+                if m is e:
+                    predicted = self._fixed(e) + (1 + self._fragmentation(e)) * float(self._xl(e) @ w)
+                    errors.append(max(need - predicted, 0.0) / max(predicted, 1e-9))
+        self._loo_error = math.sqrt(sum(x * x for x in errors) / len(errors))
 
     def _without(self, est: MemoryEstimate) -> tuple[np.ndarray, np.ndarray]:
         """The multipliers and their covariance under the current law, fitted without `est`'s runs."""
@@ -730,7 +740,9 @@ class MemoryModel:
     def model_error(self) -> float:
         """What no learned component captures, as a share of a prediction: MODEL_ERROR, or as far off as
         the model is on a run it had to predict (a trainer it cannot describe widens it). Every miss is
-        judged again as the fit learns (`_rejudge`), so one the model now predicts no longer counts."""
+        judged as the fit learns (`_rejudge`): by its errors on the configurations it had not seen."""
+        if self._loo_error is not None:
+            return max(MODEL_ERROR, self._loo_error)
         return max([MODEL_ERROR, *(m[0] for m in self._misses)])
 
     @staticmethod
