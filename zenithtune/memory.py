@@ -372,7 +372,7 @@ def gpu_capacity_gb(configured: float | None) -> float:
 COMPONENT_SD = 0.25
 MEASURED_SD = 0.02
 MODEL_ERROR = 0.02  # the least error of a learned prediction (allocator, workspaces), share of the prediction
-MIN_REJUDGE = 3  # configurations measured besides a miss before a refit may explain it away
+MIN_REJUDGE = 3  # configurations measured besides any one before the fit is judged without it (`_rejudge`)
 DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration must need to be ruled out unseen
 
 
@@ -528,11 +528,10 @@ class MemoryModel:
         self._w = _PRIOR_MEAN.copy()  # learned multipliers in COMPONENTS' order, then the per-sample growth
         self._cov = np.diag(_PRIOR_SD ** 2)  # their posterior covariance
         self._folds = False  # the evidence says expert TP, not TP, splits the routed tokens (`folds`)
-        # observations the model did not expect: (how far off, as a share; the estimate; what was seen, GB;
-        # an OOM's lower bound?; under the folding law?), re-judged under the other law of expert splitting
-        # once it is the one the evidence favours (`_fit`)
-        self._misses: list[tuple[float, MemoryEstimate, float, bool]] = []
-        self._loo_error: float | None = None  # `_rejudge`
+        # how far off (a share) the model was on observations it did not expect (`_miss`), which widen
+        # `model_error` until enough configurations ran to judge it by its leave-one-out errors (`_rejudge`)
+        self._misses: list[float] = []
+        self._loo_error: float | None = None
 
     @property
     def limit_gb(self) -> float:
@@ -739,11 +738,11 @@ class MemoryModel:
     @property
     def model_error(self) -> float:
         """What no learned component captures, as a share of a prediction: MODEL_ERROR, or as far off as
-        the model is on a run it had to predict (a trainer it cannot describe widens it). Every miss is
-        judged as the fit learns (`_rejudge`): by its errors on the configurations it had not seen."""
+        the model is on runs it had to predict (a trainer it cannot describe widens it): the largest miss
+        (`_miss`) until `_rejudge` can judge it by its errors on each configuration left out of the fit."""
         if self._loo_error is not None:
             return max(MODEL_ERROR, self._loo_error)
-        return max([MODEL_ERROR, *(m[0] for m in self._misses)])
+        return max([MODEL_ERROR, *self._misses])
 
     @staticmethod
     def _within(a: np.ndarray, b: np.ndarray) -> bool:
@@ -861,16 +860,13 @@ class MemoryModel:
         a measured "max allocated", or (`at_least`) what an OOM proved the whole GPU needed at least."""
         share = self._off(est, seen, at_least)
         if share is not None:
-            self._misses.append((share, est, seen, at_least))
+            self._misses.append(share)
 
-    def _off(self, est: MemoryEstimate, seen: float, at_least: bool,
-             fit: tuple[np.ndarray, np.ndarray] | None = None) -> float | None:
-        """How far off (share of the prediction) the model as it stands (or `fit`: multipliers and their
-        covariance) is on `seen`, when beyond 2 sd."""
-        w, cov = fit or (self._w, self._cov)
+    def _off(self, est: MemoryEstimate, seen: float, at_least: bool) -> float | None:
+        """How far off (share of the prediction) the model as it stands is on `seen`, when beyond 2 sd."""
         x = self._xl(est)
-        sd = math.sqrt(max(float(x @ cov @ x), 0.0))
-        predicted = float(x @ w)
+        sd = math.sqrt(max(float(x @ self._cov @ x), 0.0))
+        predicted = float(x @ self._w)
         if at_least:
             scale = 1 + self._fragmentation(est)
             predicted, sd = self._fixed(est) + scale * predicted, scale * sd
