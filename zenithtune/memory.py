@@ -372,7 +372,7 @@ def gpu_capacity_gb(configured: float | None) -> float:
 COMPONENT_SD = 0.25
 MEASURED_SD = 0.02
 MODEL_ERROR = 0.02  # the least error of a learned prediction (allocator, workspaces), share of the prediction
-MIN_REJUDGE = 3  # configurations measured besides any one before the fit is judged without it (`_rejudge`)
+MIN_REJUDGE = 3  # configurations measured besides a miss before a refit may explain it away
 DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration must need to be ruled out unseen
 
 
@@ -528,10 +528,10 @@ class MemoryModel:
         self._w = _PRIOR_MEAN.copy()  # learned multipliers in COMPONENTS' order, then the per-sample growth
         self._cov = np.diag(_PRIOR_SD ** 2)  # their posterior covariance
         self._folds = False  # the evidence says expert TP, not TP, splits the routed tokens (`folds`)
-        # how far off (a share) the model was on observations it did not expect (`_miss`), which widen
-        # `model_error` until enough configurations ran to judge it by its leave-one-out errors (`_rejudge`)
-        self._misses: list[float] = []
-        self._loo_error: float | None = None
+        # observations the model did not expect: (how far off, as a share; the estimate; what was seen, GB;
+        # an OOM's lower bound?; under the folding law?), re-judged under the other law of expert splitting
+        # once it is the one the evidence favours (`_fit`)
+        self._misses: list[tuple[float, MemoryEstimate, float, bool]] = []
 
     @property
     def limit_gb(self) -> float:
@@ -653,32 +653,23 @@ class MemoryModel:
         self._rejudge()
 
     def _rejudge(self) -> None:
-        """Once MIN_REJUDGE other configurations ran besides any one (one run agrees with any fit), judge
-        the model by how well it predicts each configuration it has not seen: `model_error` becomes the
-        root mean square of the relative errors of the fit without that configuration's runs on its
-        measured peak (and, for an OOM, on what it proved it needed, where the fit falls short of it).
-        Until then a miss beyond 2 sd widens every prediction by all it was off (`_miss`). A miss kept as
-        recorded goes out of date: the 64-expert MoE on the stand-in trainer kept every later prediction
-        +-30 % uncertain from a TP2 MBS-4 run that came in before the per-sample growth was learned, though
-        the fit without that run then predicted it within 2 %, and the optimum, at 78 of 79 GB, stayed a
-        coin toss (0.925). And the largest miss, as a share, is mostly a small run's: on the memory
-        trainer a 16 GB run 4 GB over its prediction held a 77 GB candidate at +-27 GB."""
-        configs = {id(e): e for e, _ in self._measured} | {id(e): e for e, _ in self._bounds}
-        if len(configs) <= MIN_REJUDGE:
-            self._loo_error = None
+        """A miss the model as it now stands predicts is no evidence that the model cannot describe this
+        trainer: each is judged again as a prediction (by the current law fitted without that
+        configuration's runs), and kept only as far off as that prediction still is, once MIN_REJUDGE other
+        configurations ran (one run agrees with any fit). A miss recorded before the fit had learned what
+        it showed stays out of date otherwise: the 64-expert MoE on the stand-in trainer kept every later
+        prediction +-30 % uncertain from a TP2 MBS-4 run that came in before the per-sample growth was
+        learned, though the fit without that run then predicted it within 2 %, and the optimum, at 78 of
+        79 GB, stayed a coin toss; and a TP2 / expert TP1 run 46 % over its prediction under the estimate's
+        law of expert splitting, which the folding law then predicted within 7 %."""
+        if len({id(e) for e, _ in self._measured}) <= MIN_REJUDGE:
             return
-        errors = []
-        for e in configs.values():
-            w, _ = self._without(e)
-            seen = [v for m, v in self._measured if m is e]
-            if seen:
-                predicted = float(self._xl(e) @ w)
-                errors.append((statistics.median(seen) - predicted) / max(predicted, 1e-9))
-            for m, need in self._bounds:
-                if m is e:
-                    predicted = self._fixed(e) + (1 + self._fragmentation(e)) * float(self._xl(e) @ w)
-                    errors.append(max(need - predicted, 0.0) / max(predicted, 1e-9))
-        self._loo_error = math.sqrt(sum(x * x for x in errors) / len(errors))
+        kept = []
+        for _, e, seen, least in self._misses:
+            off = self._off(e, seen, least, self._without(e))
+            if off is not None:
+                kept.append((off, e, seen, least))
+        self._misses = kept
 
     def _without(self, est: MemoryEstimate) -> tuple[np.ndarray, np.ndarray]:
         """The multipliers and their covariance under the current law, fitted without `est`'s runs."""
@@ -738,11 +729,9 @@ class MemoryModel:
     @property
     def model_error(self) -> float:
         """What no learned component captures, as a share of a prediction: MODEL_ERROR, or as far off as
-        the model is on runs it had to predict (a trainer it cannot describe widens it): the largest miss
-        (`_miss`) until `_rejudge` can judge it by its errors on each configuration left out of the fit."""
-        if self._loo_error is not None:
-            return max(MODEL_ERROR, self._loo_error)
-        return max([MODEL_ERROR, *self._misses])
+        the model is on a run it had to predict (a trainer it cannot describe widens it). Every miss is
+        judged again as the fit learns (`_rejudge`), so one the model now predicts no longer counts."""
+        return max([MODEL_ERROR, *(m[0] for m in self._misses)])
 
     @staticmethod
     def _within(a: np.ndarray, b: np.ndarray) -> bool:
@@ -860,13 +849,16 @@ class MemoryModel:
         a measured "max allocated", or (`at_least`) what an OOM proved the whole GPU needed at least."""
         share = self._off(est, seen, at_least)
         if share is not None:
-            self._misses.append(share)
+            self._misses.append((share, est, seen, at_least))
 
-    def _off(self, est: MemoryEstimate, seen: float, at_least: bool) -> float | None:
-        """How far off (share of the prediction) the model as it stands is on `seen`, when beyond 2 sd."""
+    def _off(self, est: MemoryEstimate, seen: float, at_least: bool,
+             fit: tuple[np.ndarray, np.ndarray] | None = None) -> float | None:
+        """How far off (share of the prediction) the model as it stands (or `fit`: multipliers and their
+        covariance) is on `seen`, when beyond 2 sd."""
+        w, cov = fit or (self._w, self._cov)
         x = self._xl(est)
-        sd = math.sqrt(max(float(x @ self._cov @ x), 0.0))
-        predicted = float(x @ self._w)
+        sd = math.sqrt(max(float(x @ cov @ x), 0.0))
+        predicted = float(x @ w)
         if at_least:
             scale = 1 + self._fragmentation(est)
             predicted, sd = self._fixed(est) + scale * predicted, scale * sd
