@@ -372,7 +372,7 @@ def gpu_capacity_gb(configured: float | None) -> float:
 COMPONENT_SD = 0.25
 MEASURED_SD = 0.02
 MODEL_ERROR = 0.02  # the least error of a learned prediction (allocator, workspaces), share of the prediction
-MIN_REJUDGE = 3  # configurations measured besides a miss before a refit may explain it away
+MIN_REJUDGE = 3  # configurations measured besides a miss before the fit without it re-judges it
 DOMINANCE_MARGIN = 0.03  # how much more (in total) than an OOM a configuration must need to be ruled out unseen
 
 
@@ -529,8 +529,7 @@ class MemoryModel:
         self._cov = np.diag(_PRIOR_SD ** 2)  # their posterior covariance
         self._folds = False  # the evidence says expert TP, not TP, splits the routed tokens (`folds`)
         # observations the model did not expect: (how far off, as a share; the estimate; what was seen, GB;
-        # an OOM's lower bound?; under the folding law?), re-judged under the other law of expert splitting
-        # once it is the one the evidence favours (`_fit`)
+        # an OOM's lower bound?), each re-judged as the fit learns (`_rejudge`)
         self._misses: list[tuple[float, MemoryEstimate, float, bool]] = []
 
     @property
