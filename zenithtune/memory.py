@@ -664,8 +664,10 @@ class MemoryModel:
         if len({id(e) for e, _ in self._measured}) <= MIN_REJUDGE:
             return
         kept = []
+        fits: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a configuration's repeats share one fit without it
         for _, e, seen, least in self._misses:
-            off = self._off(e, seen, least, self._without(e))
+            fit = fits[id(e)] = fits.get(id(e)) or self._without(e)
+            off = self._off(e, seen, least, fit)
             if off is not None:
                 kept.append((off, e, seen, least))
         self._misses = kept
