@@ -48,16 +48,6 @@ CONFIRM_AT_END = 6
 CONFIRM_SHARE = 8
 CONFIRM_RUNS = 3
 NOISE = 0.03
-# A strategy that stops on its own with launches left, on a trainer whose repeats showed noise, leaves
-# the call of the best to the loop while the noise cannot make it (`_decide`): the best and its likeliest
-# rival are measured again, up to DECIDE_RUNS runs each, while the gap the noise could still hide between
-# them is above DECIDE_GAIN. Its own repeats are capped (the heuristic's `repeats`, CONFIRM_RUNS each) to
-# leave launches to the search; once the search is over, those launches are worth more deciding the best
-# than left unused (robustness.py, the 32k-sequence dense model on the memory trainer with 3 % noise: the
-# optimum ran first and four times, a 3.7 % slower layout once lucky at +7 %; the study stopped with 12
-# launches unused and called the slower one best, 0.963).
-DECIDE_RUNS = 8
-DECIDE_GAIN = 0.01
 
 
 @dataclass
@@ -198,8 +188,6 @@ class StudyLoop:
                 else:
                     proposal = self._confirmation(n_trials - used - len(wave), n_trials, wave) or \
                         strategy.ask([p.cand for p in wave])
-                    if proposal is None and not wave:
-                        proposal = self._decide(n_trials - used)
                 if proposal is None:
                     exhausted = True
                     break
@@ -258,14 +246,7 @@ class StudyLoop:
                     f"'elapsed time per iteration' (the same ranking at a fixed model and gbs)")
         return None
 
-    def _decide(self, left: int) -> Proposal | None:
-        """The strategy stopped on its own with launches left (DECIDE_RUNS): on a trainer whose repeats
-        showed noise beyond NOISE / 4, a near tie with the best that the noise cannot yet call is measured
-        again, the best and its likeliest rival up to DECIDE_RUNS runs each, while the gap it could hide is
-        above DECIDE_GAIN. Nothing on a trainer whose repeats agree, or where nothing was repeated."""
-        return self._confirmation(left, 0, [], cap=DECIDE_RUNS)
-
-    def _confirmation(self, left: int, n_trials: int, wave: list[Pending], cap: int | None = None) -> Proposal | None:
+    def _confirmation(self, left: int, n_trials: int, wave: list[Pending]) -> Proposal | None:
         """Within the budget's last CONFIRM_AT_END launches (fewer in a small budget), one lucky run must
         not decide the study (issue 19 1d): a best that ran once is measured again; a candidate the noise
         cannot tell from the best (within two standard errors of the difference of their scores) whose two
@@ -275,10 +256,8 @@ class StudyLoop:
         itself (`Strategy.confirms_best`, the heuristic) does so when it stops on its own, not when the
         budget runs out under it; for it the loop steps in once three repeated candidates showed noise
         beyond NOISE / 4."""
-        deciding = cap is not None
-        if not deciding and left > max(2, min(CONFIRM_AT_END, n_trials // CONFIRM_SHARE)):
+        if left > max(2, min(CONFIRM_AT_END, n_trials // CONFIRM_SHARE)):
             return None
-        runs_cap = CONFIRM_RUNS if cap is None else cap
         direction = self.job.evaluator.direction
         runs: dict[tuple, list[Outcome]] = {}
         for o in self.outcomes:
@@ -287,10 +266,9 @@ class StudyLoop:
         if len(runs) < 2:
             return None
         values = {k: [float(o.value) for o in g] for k, g in runs.items()}  # type: ignore[arg-type]
-        if self.job.strategy.confirms_best or deciding:
+        if self.job.strategy.confirms_best:
             # it confirms its best itself when it stops on its own; when the budget runs out under it first,
-            # the loop does, on a trainer whose repeats showed noise (not for ties that repeats showed exact);
-            # so does the call the loop decides after any strategy stopped
+            # the loop does, on a trainer whose repeats showed noise (not for ties that repeats showed exact)
             shown = record.measured_noise(values.values(), direction)
             if shown is None or shown <= NOISE / 4:
                 return None
@@ -302,8 +280,7 @@ class StudyLoop:
         best = ranked[0]
         noise = record.noise_sd(values.values(), direction, NOISE)
         near = [k for k in ranked[1:]
-                if abs(math.log(score[best] / score[k])) < 2 * noise * math.sqrt(1 / count[best] + 1 / count[k])
-                and (not deciding or 2 * noise * math.sqrt(1 / count[best] + 1 / count[k]) > DECIDE_GAIN)]
+                if abs(math.log(score[best] / score[k])) < 2 * noise * math.sqrt(1 / count[best] + 1 / count[k])]
         tied = [best, *near]
         split = [k for k in tied if count[k] == len(values[k]) == 2 and len(record.unslowed(values[k], direction)) < 2]
         if count[best] < 2:
@@ -319,26 +296,17 @@ class StudyLoop:
             # to rivals run once and the best's closest rival, the optimum, never got its third run (the
             # 64-expert MoE on 16 H100 with noise: 0.953).
             se = lambda k: noise * math.sqrt(1 / count[best] + 1 / count[k])  # noqa: E731
-            rivals = [k for k in near if min(count[k], count[best]) < runs_cap]
+            rivals = [k for k in near if min(count[k], count[best]) < CONFIRM_RUNS]
             if not rivals:
                 return None
-            if deciding:
-                # with the search over, more launches: the challenger whose upper bound (two of its own
-                # standard errors) reaches highest, so a rival measured less gets its runs before the
-                # closest tie is measured further
-                other = max(rivals, key=lambda k: (math.log(score[k] / score[best]) + 2 * noise / math.sqrt(count[k]),
-                                                   -ranked.index(k)))
-            else:
-                other = min(rivals, key=lambda k: (abs(math.log(score[best] / score[k])) / se(k), ranked.index(k)))
-            k = min((other, best), key=count.__getitem__)  # fewer runs (a tie: the rival); below runs_cap
+            other = min(rivals, key=lambda k: (abs(math.log(score[best] / score[k])) / se(k), ranked.index(k)))
+            k = min((other, best), key=count.__getitem__)  # fewer runs (a tie: the rival); below CONFIRM_RUNS
             gap = abs(math.log(score[best] / score[other]))
             why = (f"the best two are {100 * gap:.1f} % apart, which the noise ({100 * noise:.1f} %) does not "
                    f"decide after {count[best]} and {count[other]} run{'s' if count[other] > 1 else ''}")
         first = runs[k][0]
         return Proposal(dict(first.candidate), repeat=True, stage="confirm",
-                        why=f"confirm (noise): {why}; trial {first.trial_number} measured again"
-                        + (f" (the strategy stopped with {left} launch{'es' if left > 1 else ''} left: the loop "
-                           f"decides the best, up to {runs_cap} runs each)" if deciding else ""))
+                        why=f"confirm (noise): {why}; trial {first.trial_number} measured again")
 
     def abandon(self) -> None:
         """Close what this worker asked but did not tell (Ctrl-C, an error): launched ones are
