@@ -19,10 +19,9 @@ How it chooses (each launch says which of these made it):
    from every measured trial (`_calibration.Residual`, a small Gaussian process over the parallel
    sizes, MBS, recompute mode and per layout), with an uncertainty that grows with the distance to what was
    measured. Of the candidates whose optimistic prediction (+ `kappa` sd) could beat the best measured
-   by `min_gain`, launch the one with the largest expected improvement over the best (E[max(0, speed /
-   best - 1)] under the forecast's log-normal): a launch that runs out of memory improves nothing, so
-   each counts as (1 - risk) x its expected improvement, where risk is the probability the study's
-   learned memory model gives it of not fitting. Never launched: what the
+   by `min_gain`, launch the one with the best expected outcome: a launch that runs out of memory
+   teaches nothing about speed, so each counts as (1 - risk) x optimistic + risk x best, where risk is
+   the probability the study's learned memory model gives it of not fitting. Never launched: what the
    memory model screens (or `fit` excludes); the same layout and recompute at an MBS at least as large
    as one that ran out of memory; after an OOM, anything carrying more than `oom_risk` of running out,
    and after `max_ooms` OOMs, anything a run that fit does not prove fits (dominance.py; the study
@@ -169,15 +168,6 @@ class _Forecast:
     taught: np.ndarray  # what the runs taught on top of the prior (the residual's factor, unit change excluded)
     unit: float  # the unit change from the prior's TFLOP/s/GPU to the metric's (1 for TFLOP/s)
     basis: str  # what the prediction rests on, for the reasons
-
-
-def _expected_gain(pred: np.ndarray, sd: np.ndarray, target: float) -> np.ndarray:
-    """E[max(0, X / target - 1)] for X log-normal around `pred` with log sd `sd`: the expected
-    improvement over the best (exp(m + s^2/2) Phi(m/s + s) - Phi(m/s), m = log(pred / target))."""
-    m = np.log(np.asarray(pred, dtype=float) / target)
-    s = np.maximum(np.asarray(sd, dtype=float), 1e-9)
-    phi = np.vectorize(lambda x: 0.5 * math.erfc(-x / math.sqrt(2)), otypes=[float])
-    return np.exp(m + s * s / 2) * phi(m / s + s) - phi(m / s) if m.size else m
 
 
 class HeuristicStrategy(Strategy):
@@ -425,19 +415,13 @@ class HeuristicStrategy(Strategy):
         if not len(at):
             return self._confirm(reps, best, noise, "every candidate of the pool was measured")
         fc = self._forecast(reps, at, noise, learned)
-        # Of the candidates that could beat the best, the one with the largest expected improvement over it
-        # first (E[max(0, speed / best - 1)] under the forecast's log-normal: Jones et al. 1998), counted
-        # only as far as it fits (a launch that runs out of memory improves nothing). Ranked by the
-        # optimistic value instead, a candidate predicted a little above the best with a narrow doubt went
-        # before one predicted lower with a wide one, however much likelier that one was to win big: on the
-        # 64-expert MoE on 16 H100 (stand-in trainer with noise) TP1 PP1 EP8, the optimum, predicted 20 %
-        # below the best with a 30 % doubt (a 21 % chance to beat it), waited behind a dozen EP1 variants
-        # until the budget was spent (0.896).
+        # Of the candidates that could beat the best, the one with the best expected outcome first: near
+        # the memory limit a launch may run out of memory and teach nothing about speed, so a candidate's
+        # optimistic value counts only as far as it fits (expected best after it = (1-risk) ucb + risk best).
         hopeful = np.flatnonzero(fc.ucb > target * (1 + self.min_gain))
         risk = np.array([self._risk(self._pool[at[j]])[0] for j in hopeful])
         risk_of = dict(zip(hopeful.tolist(), risk.tolist()))
-        gain = _expected_gain(fc.pred[hopeful], fc.sd[hopeful], target)
-        order = hopeful[np.argsort(-((1 - risk) * gain), kind="stable")]
+        order = hopeful[np.argsort(-((1 - risk) * fc.ucb[hopeful] + risk * target), kind="stable")]
         return self._walk(order, risk_of, fc, best, tried, reps, noise)
 
     @property
