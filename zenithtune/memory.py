@@ -666,24 +666,21 @@ class MemoryModel:
         kept = []
         fits: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a configuration's repeats share one fit without it
         for _, e, seen, least in self._misses:
-            fit = fits[id(e)] = fits.get(id(e)) or self._without(e)
-            off = self._off(e, seen, least, fit)
+            if id(e) not in fits:
+                fits[id(e)] = self._without(e)
+            off = self._off(e, seen, least, fits[id(e)])
             if off is not None:
                 kept.append((off, e, seen, least))
         self._misses = kept
 
     def _without(self, est: MemoryEstimate) -> tuple[np.ndarray, np.ndarray]:
         """The multipliers and their covariance under the current law, fitted without `est`'s runs."""
-        measured, bounds = self._measured, self._bounds
-        self._measured = [m for m in measured if m[0] is not est]
-        self._bounds = [b for b in bounds if b[0] is not est]
-        try:
-            w, cov, _ = self._fit_law(self._folds)
-        finally:
-            self._measured, self._bounds = measured, bounds
+        w, cov, _ = self._fit_law(self._folds, [m for m in self._measured if m[0] is not est],
+                                  [b for b in self._bounds if b[0] is not est])
         return w, cov
 
-    def _fit_law(self, fold: bool) -> tuple[np.ndarray, np.ndarray, float]:
+    def _fit_law(self, fold: bool, measured: list[tuple[MemoryEstimate, float]] | None = None,
+                 bounds: list[tuple[MemoryEstimate, float]] | None = None) -> tuple[np.ndarray, np.ndarray, float]:
         """Posterior mean of the multipliers given the measured peaks, subject to what every OOM proves
         (its components needed at least its bound): a small quadratic program solved by active sets,
         so a bound shapes the fit only where the others do not already imply it (two OOMs that differ
@@ -692,20 +689,23 @@ class MemoryModel:
         peaks in their sd, the multipliers' distance from 1) plus what an OOM the multipliers, clipped
         to [W_MIN, W_MAX], still cannot explain, in sd of its bound. An unexplained OOM is not made
         up by scaling every component (that contradicts every run that fit); it is evidence against
-        the law, and `_oom_reason` judges by it directly."""
+        the law, and `_oom_reason` judges by it directly. `measured` and `bounds` default to the study's own
+        runs and OOMs (`_without` leaves one configuration's out)."""
+        measured = self._measured if measured is None else measured
+        bounds = self._bounds if bounds is None else bounds
         n = len(LEARNED)
         prior = 1 / _PRIOR_SD ** 2
         A, b = np.diag(prior), prior * _PRIOR_MEAN
-        X = np.array([self._xl(e, fold) for e, _ in self._measured]).reshape(len(self._measured), n)
-        y = np.array([v for _, v in self._measured])
+        X = np.array([self._xl(e, fold) for e, _ in measured]).reshape(len(measured), n)
+        y = np.array([v for _, v in measured])
         sd = np.maximum(MEASURED_SD * y, 1e-3)
-        if self._measured:
+        if measured:
             A = A + (X / sd[:, None] ** 2).T @ X
             b = b + (X / sd[:, None] ** 2).T @ y
         # in allocated terms: what the allocator must have handed out for the total to exceed the need
         # (converted now, with what is known now of the non-PyTorch part and the fragmentation)
-        C = np.array([self._xl(e, fold) for e, _ in self._bounds]).reshape(len(self._bounds), n)
-        d = np.array([(need - self._fixed(e)) / (1 + self._fragmentation(e)) for e, need in self._bounds])
+        C = np.array([self._xl(e, fold) for e, _ in bounds]).reshape(len(bounds), n)
+        d = np.array([(need - self._fixed(e)) / (1 + self._fragmentation(e)) for e, need in bounds])
         w = np.clip(_bounded_least_squares(A, b, C, d), _LOW, _HIGH)
         misfit = float((((w - _PRIOR_MEAN) / _PRIOR_SD) ** 2).sum() + (((y - X @ w) / sd) ** 2).sum())
         misfit += float(((np.clip(d - C @ w, 0, None) / np.maximum(MEASURED_SD * d, 1e-3)) ** 2).sum())
