@@ -55,7 +55,7 @@ How it chooses (each launch says which of these made it):
    more, the variant of its layout and MBS (another recompute) with the least risk that is still
    predicted to beat the best by `min_gain` runs, and its measurement judges the heavier variants.
 6. Noise: a candidate measured more than once counts at the median of its measurements that no
-   straggler slowed (`record.central`: within 10 % of its fastest run). Within
+   straggler slowed (`record.central`: those above the widest gap beyond 10 %). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
    predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
