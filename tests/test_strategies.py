@@ -129,7 +129,9 @@ def test_terminates_when_exhausted(name):
     valid = sum(1 for _ in job.space.walk())
     loop, why = study(job, 10_000)
     assert why.startswith("strategy exhausted"), why
-    assert len(launched(loop)) <= valid
+    runs = launched(loop)
+    again = [o for o in runs if o.stage in ("recheck", "confirm") or o.why.startswith("measure again")]
+    assert len(runs) - len(again) <= valid and len(again) <= 4, [o.why for o in again]
 
 
 # --- heuristic -----------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ def test_staged_runs_stage1_then_stage2_and_respects_stage1_trials():
     loop, _ = study(job, 12)
     stages = [o.stage for o in launched(loop)]
     assert stages[:4] == ["layout"] * 4
-    assert set(stages[4:]) <= {"settings", "confirm"}  # the budget's last launches may confirm the best
+    assert set(stages[4:]) <= {"settings", "recheck", "confirm"}  # the budget's last launches may confirm the best
     trials = [t for t in loop.study.trials if t.user_attrs.get("launched")]
     assert [t.user_attrs["stage"] for t in trials] == stages  # recorded on the trial
     # stage 1 measures layouts at memory-safe settings; stage 2 tunes the layouts measured, and reaches a
@@ -565,7 +567,8 @@ def test_staged_past_max_ooms_proposes_what_a_run_proves_fits():
     # qwen3-30b-a3b-8xh100: 26 of 50 launches, 0.872). Now stage 2 proposes only proven fits, the most
     # plausible first, and says why it stops when none is left. (Stage 1 runs layouts at memory-safe
     # settings, which fit this trainer: its 12th launch, the first of stage 2, is made to run out.)
-    job = make_job("staged_blackbox", shape=BIG, extra=("max_ooms=1", "strategy.stage1_trials=11"), sim=HUNGRY)
+    job = make_job("staged_blackbox", shape=BIG, extra=("max_ooms=1", "strategy.stage1_trials=11", "strategy.rechecks=0"),
+                   sim=HUNGRY)
     launches = itertools.count(1)
     loop, stop = study(job, 40, oom_if=lambda cand: next(launches) == 12)
     runs = launched(loop)
@@ -630,16 +633,91 @@ def test_staged_layout_steps_reach_two_values_away_once_no_near_layout_is_left()
     here = next(lay for lay in layouts if lay["tp"] == 1 and lay["ep"] == 1 and lay.get("pp") == 1
                 and lay.get("cp") == 1)
     near = {st._adjacent(lay, here) for lay in layouts if lay != here}
-    assert near >= {1, 2}  # both kinds exist around tp1 ep1
-    jump = next(lay for lay in layouts if lay != here and st._adjacent(lay, here) == 2)
+    assert near >= {1, 3}  # both kinds exist around tp1 ep1
+    jump = next(lay for lay in layouts if lay != here and st._adjacent(lay, here) == 3)
     assert 1 <= sum(1 for d in here if jump.get(d) != here[d]) <= 2
-    st._stepped |= {lay for lay in st._by_layout if st._adjacent(dict(lay), here) == 1}  # none near is left
+    st._stepped |= {lay for lay in st._by_layout if st._adjacent(dict(lay), here) in (1, 2)}  # none near is left
     best = Outcome(candidate={**here, "mbs": 1, "recompute_granularity": "none"}, state="complete", value=100.0,
                    launched=True, trial_number=0)
     st.tell(best)
     step = st._layout_step(best)
     assert step is not None and "layout next to the best" in step.why
-    assert st._adjacent({k: step.fixed[k] for k in here}, here) == 2
+    assert st._adjacent({k: step.fixed[k] for k in here}, here) == 3
+
+
+def test_staged_layout_steps_take_every_single_move_before_a_pair():
+    # The effects fit is a weak model of a MoE space whose sizes interact: ranked with the single moves,
+    # pairs it favoured (TP 1->2 with EP 8->4, CP 1->2 with EP 8->4) took the steps from TP1 PP2 EP8 before
+    # PP 2->1, the optimum (the 64-expert MoE on 64 H100, plain trainer with noise). Here two runs away
+    # from the best, alike but for the values a pair move from the best takes, make those values look 3x
+    # faster; a single move still goes first.
+    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
+    st = job.strategy
+    st.setup(job, [])
+    lays = [dict(lay) for lay in st._by_layout if lay not in st._far]
+    here = {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "etp": 1}
+    _, far, slow = next((p, f, {**f, **{d: here[d] for d in here if p[d] != here[d]}})
+                           for p in lays if st._adjacent(p, here) == 2 for f in lays
+                           if all(f[d] == p[d] for d in here if p[d] != here[d]) and not st._adjacent(f, here)
+                           and {**f, **{d: here[d] for d in here if p[d] != here[d]}} in lays)
+    for i, (lay, value) in enumerate(((here, 100.0), (far, 90.0), (slow, 30.0))):
+        st.tell(Outcome(candidate={**lay, "mbs": 1, "recompute_granularity": "none"}, state="complete",
+                        value=value, launched=True, trial_number=i))
+    singles = {_staged_layout(job, lay) for lay in lays if st._adjacent(lay, here) == 1} - set(st._best)
+    scored = st._layout_step  # the pair is what the effects favour most
+    seen = []
+    for _ in singles:
+        step = st._layout_step(st._best[_staged_layout(job, here)])
+        assert step is not None
+        seen.append(st._adjacent({k: step.fixed[k] for k in here}, here))
+    assert seen == [1] * len(singles), seen
+    step = scored(st._best[_staged_layout(job, here)])
+    assert step is not None and st._adjacent({k: step.fixed[k] for k in here}, here) == 2
+    favour = re.search(r"favour \(([+-][0-9.]+) log\)", step.why)
+    assert favour and float(favour.group(1)) > 0.5, step.why  # the pair, which the effects favoured all along
+
+
+def _staged_layout(job, lay: dict) -> tuple:
+    from zenithtune.strategies._staged import _layout
+    return _layout(job.space, {**lay, "mbs": 1})
+
+
+def test_staged_measures_again_a_run_the_others_say_a_straggler_slowed():
+    # Stage 1 measures each layout once; a straggler (1.5x slower) loses its layout and the layouts next to
+    # it for good (the 64-expert MoE on 64 H100, plain trainer with noise: TP1 PP2 EP8 measured 153, 231
+    # without; PP 2->1 from it is the optimum; 0.844). Here the other runs say EP2 and CP2 each gain 25 %
+    # and PP2 costs 10 %, so CP2 EP2 should beat the best, and measured 80: it runs again, once.
+    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
+    st = job.strategy
+    st.setup(job, [])
+    base = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "mbs": 1, "recompute_granularity": "none"}
+
+    def run(lay: dict, value: float, i: int, stage: str = "layout") -> Outcome:
+        o = Outcome(candidate={**base, **lay}, state="complete", value=value, launched=True, trial_number=i,
+                    stage=stage)
+        st.tell(o)
+        return o
+
+    for i, lay in enumerate(({}, {"ep": 2}, {"cp": 2}, {"pp": 2}, {"pp": 2, "ep": 2}, {"pp": 2, "cp": 2})):
+        run(lay, 100 * 1.25 ** (lay.get("ep") == 2) * 1.25 ** (lay.get("cp") == 2) * 0.9 ** (lay.get("pp") == 2), i)
+    assert st._recheck(st.best()) is None  # every run where the others put it
+    slowed = run({"cp": 2, "ep": 2}, 80.0, 6)
+    p = st._recheck(st.best())
+    assert p is not None and p.repeat and p.fixed == slowed.candidate and p.stage == "recheck"
+    assert "measured 80 once (trial 6); the other runs predict 148.3 for it, above the best (125)" in p.why, p.why
+    run({"cp": 2, "ep": 2}, 152.0, 7, "recheck")  # it was slowed: the pair is set apart, the healthy run counts
+    assert st.best().candidate == slowed.candidate and st.best().value == 152.0
+    assert st._recheck(st.best()) is None  # measured twice now
+    # one re-run that agreed with its first run ends the re-checks: the fit's miss was the trainer's
+    st2 = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE).strategy
+    st2.setup(job, [o for o in st.history if o.trial_number < 7])
+    st2.tell(Outcome(candidate=slowed.candidate, state="complete", value=82.0, launched=True, trial_number=7,
+                     stage="recheck"))
+    run2 = Outcome(candidate={**base, "tp": 2, "etp": 1}, state="complete", value=60.0, launched=True,
+                   trial_number=8, stage="layout")
+    st2.tell(run2)
+    assert st2._recheck(st2.best()) is None
+    assert make_job("staged_blackbox", extra=("strategy.rechecks=0",)).strategy.rechecks == 0
 
 
 def test_staged_layout_steps_judge_each_value_with_the_others_held_fixed():

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from zenithtune.record import STRAGGLER, unslowed
 from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS, SWITCH_PARAMS, settings
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
 from zenithtune.validate import candidate_modules
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
 LAYOUT_STAGE = "layout"
 SETTINGS_STAGE = "settings"
 LAYOUT_STEP_WHY = "stage 2, layout next to the best"
+RECHECK_STAGE = "recheck"  # a run measured again: the others say a straggler slowed it (`_recheck`)
 EFFECT_SHRINK = 0.25  # the ridge penalty on each layout dimension value's effect (`_effects`)
 SAFE_SHARE = 0.9  # stage 1's settings must be predicted to use at most this share of GPU memory
 # Recompute from cheapest to most memory-saving; stage 1 takes the first that fits.
@@ -109,7 +111,7 @@ class StagedBlackboxStrategy(Strategy):
     def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
                  patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
                  min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1, probe_risk: float = 0.95,
-                 max_ooms: int = 2, last_oom_risk: float = 0.25, tp_within_node: bool = True):
+                 max_ooms: int = 2, last_oom_risk: float = 0.25, tp_within_node: bool = True, rechecks: int = 2):
         if int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         if int(top_layouts) < 1:
@@ -120,6 +122,9 @@ class StagedBlackboxStrategy(Strategy):
         if not 0 < probe_risk <= 1:
             raise ValueError(f"probe_risk={probe_risk} must be in (0, 1] (0.95: no probe the learned memory "
                              f"model gives more than a 95 % risk of running out of memory)")
+        if int(rechecks) < 0:
+            raise ValueError(f"rechecks={rechecks} must be >= 0 (layouts measured again when a straggler may have "
+                             f"slowed their one run)")
         if max_ooms < 0 or not 0 < last_oom_risk <= 1:
             raise ValueError(f"max_ooms={max_ooms} (>= 0) or last_oom_risk={last_oom_risk} (0..1] is out of range "
                              f"(0.25: a memory-safe layout run that could spend the last OOM carries at most 25 % risk)")
@@ -144,6 +149,7 @@ class StagedBlackboxStrategy(Strategy):
         self.max_ooms = int(max_ooms)  # the study's OOM budget (the loop holds it)
         self.last_oom_risk = float(last_oom_risk)  # a layout run at memory-safe settings that could spend its last
         self.tp_within_node = bool(tp_within_node)  # no layout whose TP crosses nodes (`_far`)
+        self.rechecks = int(rechecks)  # runs measured again when the others say a straggler slowed them
         self._rng = random.Random(seed)
         self._stage1_done = False
         self._stage2_asked = 0
@@ -467,6 +473,73 @@ class StagedBlackboxStrategy(Strategy):
                                 f"mbs {m} with {_rec(pick)}")
         return None
 
+    def _rows(self) -> list[tuple[dict, float, Outcome]]:
+        """Every measured run as the effects fit takes it (`_effects`): its layout values, MBS and vp, and its
+        log rate with its recompute work taken out; a run a straggler slowed (`record.unslowed` of its
+        candidate's runs) left out. (A score that is not a positive number, e.g. 0 from a broken log line,
+        says nothing of speed.)"""
+        runs: dict[tuple, list[Outcome]] = {}
+        for o in self.history:
+            if o.usable:
+                runs.setdefault(self.space.key(o.candidate), []).append(o)
+        rows = []
+        for group in runs.values():
+            kept = unslowed([float(o.value) for o in group], self.direction)  # type: ignore[arg-type]
+            for o in group:
+                if float(o.value) in kept:  # type: ignore[arg-type]
+                    rows.append(({**dict(_layout(self.space, o.candidate)), "mbs": o.candidate.get("mbs", 1),
+                                  "vp": o.candidate.get("vp", 1)},
+                                 math.log(self.rate(float(o.value)) * self._work(o.candidate)), o))  # type: ignore[arg-type]
+        return rows
+
+    def _recheck(self, best: Outcome) -> Proposal | None:
+        """Step 0 (issue 19 1d, a result far from its prediction is measured again before it steers the
+        search): stage 1 measures each layout once, and a run a straggler slowed (1.5x on a busy cluster)
+        loses its layout for good, and with it the layouts next to it, which the steps judge by it. A run
+        measured once is measured again when the other runs predict it (the effects fit without its runs,
+        `_effects`) above the best, while it measured more than a straggler's gap (record.STRAGGLER) below
+        that prediction: the highest such prediction first, at most `rechecks` per study, and none after a
+        re-run agreed with the first (then the fit's miss was the trainer's, not the noise's). The
+        64-expert MoE on 64 H100 (plain trainer, 3 % noise): TP1 PP2 EP8 measured 153 (a straggler; 231
+        without), the other runs predicted 266, above the best 229; PP 2->1 from it is the optimum, which
+        no layout step reached (0.844)."""
+        if self.rechecks <= 0:
+            return None
+        again = [o for o in self.history if o.stage == RECHECK_STAGE and o.usable]
+        if len(again) >= self.rechecks or any(len(unslowed(self.measurements(o.candidate), self.direction)) > 1
+                                              for o in again):
+            return None
+        rows = self._rows()
+        counts: dict[tuple, int] = {}
+        for _, _, o in rows:
+            k = self.space.key(o.candidate)
+            counts[k] = counts.get(k, 0) + 1
+        top = self.rate(float(best.value))  # type: ignore[arg-type]
+        dims = [*dict(_layout(self.space, best.candidate)), "mbs", "vp"]
+        found: tuple[float, Outcome] | None = None
+        for values, _, o in rows:
+            key = self.space.key(o.candidate)
+            if counts[key] != 1 or len(self.measurements(o.candidate)) != 1 or o.stage == RECHECK_STAGE:
+                continue
+            rest = [(v, r) for v, r, other in rows if self.space.key(other.candidate) != key]
+            if len(rest) < 2:
+                continue
+            effect = _effects(rest, dims)
+            pred = float(np.mean([r for _, r in rest])) + sum(effect[d].get(values.get(d), 0.0) for d in dims)
+            rate = math.exp(pred) / self._work(o.candidate)
+            measured = self.rate(float(o.value))  # type: ignore[arg-type]
+            if rate > top and measured < rate * (1 - STRAGGLER) and (found is None or rate > found[0]):
+                found = (rate, o)
+        if found is None:
+            return None
+        rate, o = found
+        desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, o.candidate))
+        return Proposal(dict(o.candidate), repeat=True, stage=RECHECK_STAGE,
+                        why=f"stage 2, re-check: layout {desc} measured {o.value:.4g} once (trial {o.trial_number}); "
+                            f"the other runs predict {self.rate(rate):.4g} for it, above the best ({best.value:.4g}) "
+                            f"and beyond a straggler's {100 * STRAGGLER:.0f} %: measured again before it steers "
+                            f"the search")
+
     def _layout_step(self, best: Outcome) -> Proposal | None:
         """Step 4: an unmeasured layout next to the best one (`_adjacent`: the nearest first), or next to a
         layout measured within STEP_REACH of it, the one that measurements so far favour, at memory-safe
@@ -488,11 +561,7 @@ class StagedBlackboxStrategy(Strategy):
         # has tuned does not look better than one measured at memory-safe settings for its MBS. A
         # neighbour is predicted at its origin's measured value times the effects of the layout values it
         # changes; no model of the trainer is involved.
-        # (a score that is not a positive number, e.g. 0 from a broken log line, says nothing of speed)
-        rows = [({**dict(_layout(self.space, o.candidate)), "mbs": o.candidate.get("mbs", 1),
-                  "vp": o.candidate.get("vp", 1)},
-                 math.log(self.rate(float(o.value)) * self._work(o.candidate)))  # type: ignore[arg-type]
-                for o in self.history if o.usable]
+        rows = [(v, r) for v, r, _ in self._rows()]
         if not rows:
             return None
         here = dict(_layout(self.space, best.candidate))
@@ -503,8 +572,10 @@ class StagedBlackboxStrategy(Strategy):
         for o in origins:
             at = dict(_layout(self.space, o.candidate))
             tier = {lay: self._adjacent(dict(lay), at) for lay in open_}
-            # the nearest first: one value up or down; where none is left, one or two dimensions to any value
-            near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
+            # the nearest first: one value up or down; where none is left, two dimensions one value apart in
+            # opposite directions; then one or two dimensions to any value
+            near = next(([lay for lay, t in tier.items() if t == n] for n in (1, 2, 3)
+                         if any(t == n for t in tier.values())), [])
             for lay in near:
                 n = dict(lay)
                 score = sum(effect[d].get(n.get(d), 0.0) - effect[d].get(at[d], 0.0) for d in at if n.get(d) != at[d])
@@ -538,18 +609,23 @@ class StagedBlackboxStrategy(Strategy):
         return len(told) + len(self._steps_asked - set(told)) - self._step_wins
 
     def _adjacent(self, a: dict, b: dict) -> int:
-        """How near layout a is to b: 1 for one dimension one value up or down, or two dimensions one
-        value apart in opposite directions; 2 for one or two dimensions changed to any value (the valid
+        """How near layout a is to b: 1 for one dimension one value up or down; 2 for two dimensions one
+        value apart in opposite directions; 3 for one or two dimensions changed to any value (the valid
         layouts of a MoE space are sparse, since EP x ETP must divide what TP x CP x DP leave, so the
-        move that matters may be two values at once: more EP, less ETP); 0 for anything farther."""
+        move that matters may be two values at once: more EP, less ETP); 0 for anything farther. A pair
+        ranked with the single moves by the effects fit, a weak model of a MoE space whose sizes interact,
+        took the steps before the single move to the optimum (the 64-expert MoE on 64 H100: from TP1 PP2 EP8,
+        TP2 EP4 and CP2 EP4 went before PP 2->1)."""
         moves = []
         for d in b:
             if a.get(d) != b[d]:
                 vals = self._values.setdefault(d, sorted({dict(lay).get(d) for lay in self._by_layout}))
                 moves.append(vals.index(a.get(d)) - vals.index(b[d]) if a.get(d) in vals else 99)
-        if moves in ([1], [-1]) or sorted(moves) == [-1, 1]:
+        if moves in ([1], [-1]):
             return 1
-        return 2 if 1 <= len(moves) <= 2 else 0
+        if sorted(moves) == [-1, 1]:
+            return 2
+        return 3 if 1 <= len(moves) <= 2 else 0
 
     # --- both --------------------------------------------------------------------------------------
     def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
@@ -571,7 +647,8 @@ class StagedBlackboxStrategy(Strategy):
         if best is not None:
             tried = self.tried_keys(pending)
             rate = self.rate(float(best.value))  # type: ignore[arg-type]
-            step = self._promotion(rate, tried) or self._neighbour(best, tried) or self._layout_step(best)
+            step = self._recheck(best) or self._promotion(rate, tried) or self._neighbour(best, tried) or \
+                self._layout_step(best)
             if step is not None:
                 return step
         if best is not None and self._budget_spent():
