@@ -45,7 +45,7 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
    Each is measured once.
 4. Layout steps: up to `layout_steps` unmeasured layouts next to the best one (one dimension one value
-   up or down; where none is left, one up and another down; then one or two dimensions to any value: a
+   up or down, or one up and another down; where none is left, one or two dimensions to any value: a
    MoE space's valid layouts are sparse), at memory-safe settings; the next is the one whose changed
    values did best in the runs so far (an additive model of every run's log throughput, recompute work
    taken out, one effect per dimension value, MBS and vp, fitted jointly: stage 1's random layouts share
@@ -504,8 +504,9 @@ class StagedBlackboxStrategy(Strategy):
         measured once is measured again when the other runs predict it (the effects fit without its runs,
         `_effects`) above the best, while it measured more than a straggler's gap (record.STRAGGLER) below
         the best (a run within it is in contention as it stands, and the fit, a weak model of sizes that
-        interact, misses by 10-15 % often: re-checks of such runs went to the best itself): the highest such prediction first, at most `rechecks` per study, and none after a
-        re-run agreed with the first (then the fit's miss was the trainer's, not the noise's). The
+        interact, misses by 10-15 % often: re-checks of such runs went to the best itself): the highest
+        such prediction first, at most `rechecks` per study, and none after a re-run agreed with the first
+        (then the fit's miss was the trainer's, not the noise's). The
         64-expert MoE on 64 H100 (plain trainer, 3 % noise): TP1 PP2 EP8 measured 153 (a straggler; 231
         without), the other runs predicted 266, above the best 229; PP 2->1 from it is the optimum, which
         no layout step reached (0.844)."""
@@ -578,10 +579,8 @@ class StagedBlackboxStrategy(Strategy):
         for o in origins:
             at = dict(_layout(self.space, o.candidate))
             tier = {lay: self._adjacent(dict(lay), at) for lay in open_}
-            # the nearest first: one value up or down; where none is left, two dimensions one value apart in
-            # opposite directions; then one or two dimensions to any value
-            near = next(([lay for lay, t in tier.items() if t == n] for n in (1, 2, 3)
-                         if any(t == n for t in tier.values())), [])
+            # the nearest first: one value up or down; where none is left, one or two dimensions to any value
+            near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
             for lay in near:
                 n = dict(lay)
                 score = sum(effect[d].get(n.get(d), 0.0) - effect[d].get(at[d], 0.0) for d in at if n.get(d) != at[d])
@@ -615,23 +614,18 @@ class StagedBlackboxStrategy(Strategy):
         return len(told) + len(self._steps_asked - set(told)) - self._step_wins
 
     def _adjacent(self, a: dict, b: dict) -> int:
-        """How near layout a is to b: 1 for one dimension one value up or down; 2 for two dimensions one
-        value apart in opposite directions; 3 for one or two dimensions changed to any value (the valid
+        """How near layout a is to b: 1 for one dimension one value up or down, or two dimensions one
+        value apart in opposite directions; 2 for one or two dimensions changed to any value (the valid
         layouts of a MoE space are sparse, since EP x ETP must divide what TP x CP x DP leave, so the
-        move that matters may be two values at once: more EP, less ETP); 0 for anything farther. A pair
-        ranked with the single moves by the effects fit, a weak model of a MoE space whose sizes interact,
-        took the steps before the single move to the optimum (the 64-expert MoE on 64 H100: from TP1 PP2 EP8,
-        TP2 EP4 and CP2 EP4 went before PP 2->1)."""
+        move that matters may be two values at once: more EP, less ETP); 0 for anything farther."""
         moves = []
         for d in b:
             if a.get(d) != b[d]:
                 vals = self._values.setdefault(d, sorted({dict(lay).get(d) for lay in self._by_layout}))
                 moves.append(vals.index(a.get(d)) - vals.index(b[d]) if a.get(d) in vals else 99)
-        if moves in ([1], [-1]):
+        if moves in ([1], [-1]) or sorted(moves) == [-1, 1]:
             return 1
-        if sorted(moves) == [-1, 1]:
-            return 2
-        return 3 if 1 <= len(moves) <= 2 else 0
+        return 2 if 1 <= len(moves) <= 2 else 0
 
     # --- both --------------------------------------------------------------------------------------
     def ask(self, pending: Sequence[dict] = ()) -> Proposal | None:
