@@ -506,10 +506,9 @@ class StagedBlackboxStrategy(Strategy):
         the best (a run within it is in contention as it stands, and the fit, a weak model of sizes that
         interact, misses by 10-15 % often: re-checks of such runs went to the best itself): the highest
         such prediction first, at most `rechecks` per study, and none after a re-run agreed with the first
-        (then the fit's miss was the trainer's, not the noise's). The
-        64-expert MoE on 64 H100 (plain trainer, 3 % noise): TP1 PP2 EP8 measured 153 (a straggler; 231
-        without), the other runs predicted 266, above the best 229; PP 2->1 from it is the optimum, which
-        no layout step reached (0.844)."""
+        (then the fit's miss was the trainer's, not the noise's). The 64-expert MoE on 64 H100 (plain
+        trainer, 3 % noise): TP1 PP2 EP8 measured 153 (a straggler; 231 without), the other runs predicted
+        266, above the best 229; PP 2->1 from it is the optimum, which no layout step reached (0.844)."""
         if self.rechecks <= 0:
             return None
         again = [o for o in self.history if o.stage == RECHECK_STAGE and o.usable]
@@ -535,7 +534,7 @@ class StagedBlackboxStrategy(Strategy):
             pred = float(np.mean([r for _, r in rest])) + sum(effect[d].get(values.get(d), 0.0) for d in dims)
             rate = math.exp(pred) / self._work(o.candidate)
             measured = self.rate(float(o.value))  # type: ignore[arg-type]
-            if rate > top and measured < min(rate, top) * (1 - STRAGGLER) and (found is None or rate > found[0]):
+            if rate > top and measured < top * (1 - STRAGGLER) and (found is None or rate > found[0]):
                 found = (rate, o)
         if found is None:
             return None
