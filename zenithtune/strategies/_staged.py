@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -516,16 +517,13 @@ class StagedBlackboxStrategy(Strategy):
                                               for o in again):
             return None
         rows = self._rows()
-        counts: dict[tuple, int] = {}
-        for _, _, o in rows:
-            k = self.space.key(o.candidate)
-            counts[k] = counts.get(k, 0) + 1
+        runs = Counter(self.space.key(o.candidate) for o in self.history if o.ok)
         top = self.rate(float(best.value))  # type: ignore[arg-type]
         dims = [*dict(_layout(self.space, best.candidate)), "mbs", "vp"]
         found: tuple[float, Outcome] | None = None
         for values, _, o in rows:
             key = self.space.key(o.candidate)
-            if counts[key] != 1 or len(self.measurements(o.candidate)) != 1 or o.stage == RECHECK_STAGE:
+            if runs[key] != 1:  # measured again already (a re-check among them)
                 continue
             rest = [(v, r) for v, r, other in rows if self.space.key(other.candidate) != key]
             if len(rest) < 2:
