@@ -50,7 +50,9 @@ How it chooses (each launch says which of these made it):
    launch that could spend that last OOM at more than `last_oom_risk` must also be predicted to beat
    the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it; it waits
    while any launch carrying at most `last_oom_risk` could still beat the best; and with one OOM left the
-   best's own tests and the layouts explored (step 7), too, carry no more than `last_oom_risk`. With one
+   best's own tests and the layouts explored (step 7), too, carry no more than `last_oom_risk`. A long
+   shot held only to keep the last OOM for what may follow runs once nothing else is left (no hopeful
+   launch, test, probe or unexplored layout), at no more than `last_oom_risk` and alone in its wave. With one
    OOM left, the memory edge is approached from the safe side: before a launch carrying EDGE_RISK or
    more, the variant of its layout and MBS (another recompute) with the least risk that is still
    predicted to beat the best by `min_gain` runs, and its measurement judges the heavier variants.
