@@ -727,10 +727,12 @@ class HeuristicStrategy(Strategy):
             se = lambda o: noise * math.sqrt(1 / n(best) + 1 / n(o))  # noqa: E731
             near = [o for o in others if self._speed(best) / self._speed(o) - 1 < 2 * se(o)
                     and 2 * se(o) > self.min_gain]
-            if near:
-                o = min([best, *near], key=lambda o: (n(o), -self._speed(o)))
+            # the rival the noise rules out least (the smallest gap in standard errors) is settled first:
+            # the fewer-measured of it and the best runs again; repeats spread over every near tie leave
+            # each pair as undecided as before when they run out
+            for other in sorted(near, key=lambda o: math.log(self._speed(best) / self._speed(o)) / se(o)):
+                o = min([best, other], key=lambda o: (n(o), -self._speed(o)))
                 if n(o) < CONFIRM_RUNS:
-                    other = o if o is not best else max(near, key=self._speed)
                     gap = self._speed(best) / self._speed(other) - 1
                     return self._again(o, f"the best (trial {best.trial_number}) and trial {other.trial_number} are "
                                           f"{100 * gap:.1f} % apart, which {n(best)} and {n(other)} measurement"
