@@ -64,8 +64,9 @@ How it chooses (each launch says which of these made it):
    measurements that disagree (a third decides), leaving CONFIRM_RESERVE of `repeats` to what follows;
    and before stopping, a best that ran once, and every
    candidate the noise cannot yet tell from the best (within two standard errors of the difference of
-   their means, while those could still hide `min_gain`), the one measured fewest times first, up to
-   CONFIRM_RUNS runs each.
+   their means, while those could still hide `min_gain`), the rival the noise rules out least (the
+   smallest gap in standard errors) first, the fewer-measured of it and the best, up to CONFIRM_RUNS
+   runs each.
    The noise is `noise` until repeats of three candidates measure it (then at least a quarter of it).
 7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
    (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
@@ -712,14 +713,14 @@ class HeuristicStrategy(Strategy):
         return None
 
     def _confirm(self, reps: dict[tuple, Outcome], best: Outcome, noise: float, why: str) -> Proposal | None:
-        """Before stopping: while the noise cannot tell a candidate from the best, the one of them measured
-        fewest times is measured again (within `repeats`); else stop, saying why."""
+        """Before stopping: while the noise cannot tell a candidate from the best, the rival it rules out
+        least, or the best, whichever ran fewer times, is measured again (within `repeats`); else stop,
+        saying why."""
         counts = self._counts()
         others = [o for k, o in reps.items() if o is not best]
         if others and self._repeats_left() > 0:
             # a candidate the noise cannot yet tell from the best (within 2 standard errors of the difference
-            # of their means, while those could still hide `min_gain`) could be the best: the one of them
-            # measured fewest times (then the faster) is measured again, up to CONFIRM_RUNS times each
+            # of their means, while those could still hide `min_gain`) could be the best
             n = lambda o: max(counts.get(self.space.key(o.candidate), 0), 1)  # noqa: E731
             if n(best) < 2:  # one run could be a lucky one: it is confirmed before it is called the best
                 return self._again(best, f"the best (trial {best.trial_number}) ran once: confirmed before it is "
