@@ -1225,7 +1225,9 @@ def test_a_long_shot_held_for_the_last_oom_runs_once_nothing_else_is_left(risk):
     s._risk = lambda c: (risk, None)
     forecast = s._forecast
     s._forecast = lambda *a: dataclasses.replace(fc := forecast(*a), pred=fc.pred * 0.9)
-    s._before_stopping = lambda *a: None
+    s._bests_tests = lambda *a, **k: None  # nothing else is left: no test, unexplored layout or probe
+    s._unmeasured_layout = lambda *a: None
+    s.memory_probes = 0
     target = max(s._speed(o) for o in s._reps().values())
     p = s.ask()
     assert p is not None
@@ -1237,6 +1239,50 @@ def test_a_long_shot_held_for_the_last_oom_runs_once_nothing_else_is_left(risk):
     assert not p.repeat and s._predicted[s.space.key(p.fixed)][0] < target  # predicted below the best
     other = s.ask([p.fixed])  # in a wave with it, no second long shot may spend the same OOM
     assert other is None or other.repeat or "long shot" not in other.why, other.why
+
+
+@pytest.mark.parametrize("risk", [0.03, 0.4])
+def test_a_long_shot_goes_before_a_memory_probe_that_would_spend_the_last_oom(risk):
+    # Both may spend the last OOM max_ooms allows; the long shot (at most last_oom_risk, the screen lets
+    # it through) risks it less than a probe past the screen, and a probe may still follow a long shot
+    # that fit. Here one candidate is screened and predicted 10 % above the best (the probe); every other
+    # one is predicted below it, at `risk`, and no run proves a fit.
+    job = make_job("heuristic", extra=("strategy.neighbours=0", "strategy.test_both_granularities=false"))
+    study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
+    s = job.strategy
+    assert s._ooms() == 1 and s.memory_probes > 0
+    judge = s.judge
+
+    class Unproven:
+        def __getattr__(self, name):
+            return getattr(judge, name)
+
+        def assess(self, c):
+            return dataclasses.replace(judge.assess(c), fit_proof=None, bound_proof=None, proven_fit=False)
+
+    s.judge = Unproven()  # type: ignore[assignment]
+    s._risk = lambda c: (risk, None)
+    target = max(s._speed(o) for o in s._reps().values())
+    tried = s.tried_keys(())
+    probe = next(i for i, k in enumerate(s._keys) if k not in tried and not s._ruled_out(s._pool[i], s._reps()))
+    fits = s._fits
+    s._fits = lambda c, share: (False, "screened") if c is s._pool[probe] else fits(c, share)
+    forecast = s._forecast
+
+    def forecast_(*a):
+        fc = forecast(*a)
+        pred = np.where(fc.at == probe, 1.1 * target, 0.9 * fc.pred)
+        return dataclasses.replace(fc, pred=pred, ucb=np.maximum(fc.ucb, pred * 1.05))
+
+    s._forecast = forecast_
+    s._bests_tests = lambda *a, **k: None
+    s._unmeasured_layout = lambda *a: None
+    p = s.ask()
+    assert p is not None
+    if risk <= s.last_oom_risk:
+        assert "a long shot held back" in p.why and not p.probe_memory, p.why
+    else:
+        assert p.probe_memory and p.fixed == s._pool[probe] and p.why.startswith("memory probe: "), p.why
 
 
 @pytest.mark.parametrize("last_oom_risk", [0.25, 1.0])

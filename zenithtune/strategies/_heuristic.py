@@ -52,7 +52,8 @@ How it chooses (each launch says which of these made it):
    while any launch carrying at most `last_oom_risk` could still beat the best; and with one OOM left the
    best's own tests and the layouts explored (step 7), too, carry no more than `last_oom_risk`. A long
    shot held only to keep the last OOM for what may follow runs once nothing else is left (no hopeful
-   launch, test, probe or unexplored layout), at no more than `last_oom_risk` and alone in its wave. With one
+   launch, test, first probe or unexplored layout), at no more than `last_oom_risk` and alone in its
+   wave, before a probe that would spend that OOM past the screen. With one
    OOM left, the memory edge is approached from the safe side: before a launch carrying EDGE_RISK or
    more, the variant of its layout and MBS (another recompute) with the least risk that is still
    predicted to beat the best by `min_gain` runs, and its measurement judges the heavier variants.
@@ -537,15 +538,16 @@ class HeuristicStrategy(Strategy):
                 return self._from_safe_side(k, proposal.fixed, risk_of[int(j)], fc, best)
             self._remember(fc, int(j))
             return proposal
-        found = self._before_stopping(best, tried, reps, probe[1] if probe else None)
-        if found is None and long_shot is not None:
-            # A candidate with a real chance (its optimistic value beats the best) that the OOM cap still
-            # allows is launched before the study settles for confirmations or stops: the last OOM is kept
-            # only for launches that may follow it, and none other is left (the 64-expert MoE on the
-            # stand-in with noise: TP1 EP8, the optimum at 54 of 79 GB and 7 % risk, predicted 21 % below
-            # the best, was held while the last 10 launches confirmed near ties: 0.896)
+        # A long shot with a real chance (its optimistic value beats the best) that the OOM cap still allows
+        # runs before the study settles for confirmations or stops: the last OOM is kept only for launches
+        # that may follow it, and none other is left (the 64-expert MoE on the stand-in with noise: TP1
+        # EP8, the optimum at 54 of 79 GB and 7 % risk, predicted 21 % below the best, was held while the
+        # last 10 launches confirmed near ties: 0.896). It goes before a probe that would spend that OOM
+        # past the screen, at more risk.
+        found = self._before_stopping(best, tried, reps, probe[1] if probe else None,
+                                      long_shot[0] if long_shot else None)
+        if long_shot is not None and found is long_shot[0]:
             self._remember(fc, long_shot[1])
-            return long_shot[0]
         return found or self._confirm(reps, best, noise, self._nothing_left(len(order), ruled, unfit, target))
 
     def _remember(self, fc: _Forecast, j: int) -> None:
@@ -563,16 +565,16 @@ class HeuristicStrategy(Strategy):
             f"({100 * self._risk(safer)[0]:.0f} %) that is still predicted to beat the best"))
 
     def _before_stopping(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
-                         probe: Proposal | None) -> Proposal | None:
+                         probe: Proposal | None, long_shot: Proposal | None = None) -> Proposal | None:
         """When nothing the screen allows could beat the best: the best's own tests (those that could not
-        spend the last OOM at more than `last_oom_risk` first), the memory probe, the layouts never measured.
-        A second probe, or one after an OOM, comes last: it may spend the last OOM `max_ooms` allows, after
-        which only proven fits run, so it goes only where nothing else is left to learn and the learned
-        model still predicts a gain past the screen (a first probe that ran out on one split leaves the
-        others untried)."""
+        spend the last OOM at more than `last_oom_risk` first), the memory probe, the layouts never measured,
+        the long shot held for the last OOM. A second probe, or one after an OOM, comes last: it may spend
+        the last OOM `max_ooms` allows, after which only proven fits run, so it goes only where nothing else
+        is left to learn and the learned model still predicts a gain past the screen (a first probe that ran
+        out on one split leaves the others untried)."""
         early, late = (None, probe) if self._ooms() or any(o.probe for o in self.history) else (probe, None)
         tests = self._bests_tests(best, tried, reps, self.last_oom_risk if self._one_oom_left() else 1.0)
-        return tests or early or self._unmeasured_layout(tried, reps) or late
+        return tests or early or self._unmeasured_layout(tried, reps) or long_shot or late
 
     def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
         """Per candidate, sqrt(share of its parallel sizes, alone and in pairs, that no measured run has)."""
