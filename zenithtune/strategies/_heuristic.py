@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import central, noise_sd
+from zenithtune.record import central, measured_noise, noise_sd
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -655,14 +655,18 @@ class HeuristicStrategy(Strategy):
             counts[self.space.key(c)] = counts.get(self.space.key(c), 0) + 1
         return counts
 
-    def _noise_sd(self) -> float:
-        """Run-to-run noise as a relative sd (`record.noise_sd`: measured once three candidates were
-        repeated, over their runs no straggler slowed; else the assumed `noise`)."""
+    def _runs(self) -> dict[tuple, list[float]]:
+        """Each measured candidate's usable measurements, as rates."""
         groups: dict[tuple, list[float]] = {}
         for o in self.history:
             if o.usable:
                 groups.setdefault(self.space.key(o.candidate), []).append(self._speed(o))
-        return noise_sd(groups.values(), "maximize", self.noise)  # (rates: higher is better)
+        return groups
+
+    def _noise_sd(self) -> float:
+        """Run-to-run noise as a relative sd (`record.noise_sd`: measured once three candidates were
+        repeated, over their runs no straggler slowed; else the assumed `noise`)."""
+        return noise_sd(self._runs().values(), "maximize", self.noise)  # (rates: higher is better)
 
     def _repeats_left(self) -> int:
         return self.repeats - sum(1 for o in self.history if o.launched and o.repeat_of is not None)
@@ -732,8 +736,14 @@ class HeuristicStrategy(Strategy):
                     and 2 * se(o) > self.min_gain]
             # the rival the noise rules out least (the smallest gap in standard errors) is settled first:
             # the fewer-measured of it and the best runs again; repeats spread over every near tie leave
-            # each pair as undecided as before when they run out
-            for other in sorted(near, key=lambda o: math.log(self._speed(best) / self._speed(o)) / se(o)):
+            # each pair as undecided as before when they run out. Until repeats of three candidates
+            # measured the noise, the fewest-measured near tie goes first: a trainer without noise shows
+            # it then, and its near ties stop needing runs
+            if measured_noise(self._runs().values(), "maximize") is None:
+                rivals = sorted(near, key=lambda o: (n(o), -self._speed(o)))
+            else:
+                rivals = sorted(near, key=lambda o: math.log(self._speed(best) / self._speed(o)) / se(o))
+            for other in rivals:
                 o = min([best, other], key=lambda o: (n(o), -self._speed(o)))
                 if n(o) < CONFIRM_RUNS:
                     gap = self._speed(best) / self._speed(other) - 1
