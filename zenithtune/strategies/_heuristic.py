@@ -67,7 +67,7 @@ How it chooses (each launch says which of these made it):
    candidate the noise cannot yet tell from the best (within two standard errors of the difference of
    their means, while those could still hide `min_gain`), the rival the noise rules out least (the
    smallest gap in standard errors) first, the fewer-measured of it and the best, up to CONFIRM_RUNS
-   runs each.
+   runs each (the fewest-measured first until repeats of three candidates measured the noise).
    The noise is `noise` until repeats of three candidates measure it (then at least a quarter of it).
 7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
    (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
