@@ -1173,6 +1173,29 @@ def test_the_last_oom_is_risked_only_on_a_predicted_gain(last_oom_risk):
         assert all(g >= 1.02 for g in gains), gains  # such candidates exist here (last_oom_risk=1)
 
 
+def one_oom_left(risk: float, *, unproven: bool = False):
+    """A heuristic study of 4 launches whose first ran out of memory (one OOM of max_ooms=2 left), with
+    every candidate carrying `risk` of running out (the memory model replaced) and, `unproven`, none
+    proven to fit by a run that fit; its strategy."""
+    job = make_job("heuristic", extra=("strategy.neighbours=0", "strategy.test_both_granularities=false"))
+    study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
+    s = job.strategy
+    assert s._ooms() == 1
+    s._risk = lambda c: (risk, None)
+    if unproven:
+        judge = s.judge
+
+        class Unproven:
+            def __getattr__(self, name):
+                return getattr(judge, name)
+
+            def assess(self, c):
+                return dataclasses.replace(judge.assess(c), fit_proof=None, bound_proof=None, proven_fit=False)
+
+        s.judge = Unproven()  # type: ignore[assignment]
+    return s
+
+
 @pytest.mark.parametrize("risk", [0.005, 0.03, 0.2])
 def test_the_last_oom_is_not_risked_on_a_launch_predicted_below_the_best(risk):
     # A launch predicted below the best is hopeful only through its uncertainty; with one OOM left it runs
@@ -1181,11 +1204,7 @@ def test_the_last_oom_is_not_risked_on_a_launch_predicted_below_the_best(risk):
     # below the best spent the last OOM at a 3 % risk, and the optimum one CP step from the best could not
     # be proven after it: 0.569 of the optimum; search.py's Mixtral: the optimum, 74 of 79 GB at ~0 risk,
     # was predicted 1 % below the best and must still run).
-    job = make_job("heuristic", extra=("strategy.neighbours=0", "strategy.test_both_granularities=false"))
-    study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
-    s = job.strategy
-    assert s._ooms() == 1
-    s._risk = lambda c: (risk, None)
+    s = one_oom_left(risk)
     target = max(s._speed(o) for o in s._reps().values())
 
     def below_the_best(n):
@@ -1215,22 +1234,7 @@ def test_a_long_shot_held_for_the_last_oom_runs_once_nothing_else_is_left(risk):
     # TP1 EP8, the optimum's layout at a 7 % risk, predicted 21 % below the best, waited while the last ten
     # launches confirmed near ties: 0.896). Here no run proves a fit, every candidate is predicted 10 %
     # below what the runs say (but its optimistic value still beats the best) and nothing else is left.
-    job = make_job("heuristic", extra=("strategy.neighbours=0", "strategy.test_both_granularities=false"))
-    study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
-    s = job.strategy
-    assert s._ooms() == 1
-
-    judge = s.judge
-
-    class Unproven:
-        def __getattr__(self, name):
-            return getattr(judge, name)
-
-        def assess(self, c):
-            return dataclasses.replace(judge.assess(c), fit_proof=None, bound_proof=None, proven_fit=False)
-
-    s.judge = Unproven()  # type: ignore[assignment]
-    s._risk = lambda c: (risk, None)
+    s = one_oom_left(risk, unproven=True)
     forecast = s._forecast
     s._forecast = lambda *a: dataclasses.replace(fc := forecast(*a), pred=fc.pred * 0.9)
     s._bests_tests = lambda *a, **k: None  # nothing else is left: no test, unexplored layout or probe
@@ -1255,21 +1259,8 @@ def test_a_long_shot_goes_before_a_memory_probe_that_would_spend_the_last_oom(ri
     # it through) risks it less than a probe past the screen, and a probe may still follow a long shot
     # that fit. Here one candidate is screened and predicted 10 % above the best (the probe); every other
     # one is predicted below it, at `risk`, and no run proves a fit.
-    job = make_job("heuristic", extra=("strategy.neighbours=0", "strategy.test_both_granularities=false"))
-    study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
-    s = job.strategy
-    assert s._ooms() == 1 and s.memory_probes > 0
-    judge = s.judge
-
-    class Unproven:
-        def __getattr__(self, name):
-            return getattr(judge, name)
-
-        def assess(self, c):
-            return dataclasses.replace(judge.assess(c), fit_proof=None, bound_proof=None, proven_fit=False)
-
-    s.judge = Unproven()  # type: ignore[assignment]
-    s._risk = lambda c: (risk, None)
+    s = one_oom_left(risk, unproven=True)
+    assert s.memory_probes > 0
     target = max(s._speed(o) for o in s._reps().values())
     tried = s.tried_keys(())
     probe = next(i for i, k in enumerate(s._keys) if k not in tried and not s._ruled_out(s._pool[i], s._reps()))

@@ -279,8 +279,7 @@ class StudyLoop:
         ranked = sorted(score, key=lambda k: -sign * score[k])
         best = ranked[0]
         noise = record.noise_sd(values.values(), direction, NOISE)
-        near = [k for k in ranked[1:]
-                if abs(math.log(score[best] / score[k])) < 2 * noise * math.sqrt(1 / count[best] + 1 / count[k])]
+        near = [k for k in ranked[1:] if record.gap_in_se(score[best], count[best], score[k], count[k], noise) < 2]
         tied = [best, *near]
         split = [k for k in tied if count[k] == len(values[k]) == 2 and len(record.unslowed(values[k], direction)) < 2]
         if count[best] < 2:
@@ -295,11 +294,11 @@ class StudyLoop:
             # and of the two, the one measured fewer times. Spread over every near tie instead, they went
             # to rivals run once and the best's closest rival, the optimum, never got its third run (the
             # 64-expert MoE on 16 H100 with noise: 0.953).
-            se = lambda k: noise * math.sqrt(1 / count[best] + 1 / count[k])  # noqa: E731
             rivals = [k for k in near if min(count[k], count[best]) < CONFIRM_RUNS]
             if not rivals:
                 return None
-            other = min(rivals, key=lambda k: (abs(math.log(score[best] / score[k])) / se(k), ranked.index(k)))
+            other = min(rivals, key=lambda k: (record.gap_in_se(score[best], count[best], score[k], count[k], noise),
+                                               ranked.index(k)))
             k = min((other, best), key=count.__getitem__)  # fewer runs (a tie: the rival); below CONFIRM_RUNS
             gap = abs(math.log(score[best] / score[other]))
             why = (f"the best two are {100 * gap:.1f} % apart, which the noise ({100 * noise:.1f} %) does not "

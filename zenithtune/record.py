@@ -335,6 +335,13 @@ def unslowed(values: list[float], direction: str) -> list[float]:
     return kept
 
 
+def gap_in_se(a: float, runs_a: int, b: float, runs_b: int, noise: float) -> float:
+    """How far apart two candidates' scores `a` and `b` (of `runs_a` and `runs_b` runs, `noise` the relative
+    sd of one run) are, in standard errors of their difference: the smallest is the rival the noise
+    leaves the best chance of being the better one."""
+    return abs(math.log(a / b)) / (noise * math.sqrt(1 / runs_a + 1 / runs_b))
+
+
 def noise_sd(groups: Iterable[list[float]], direction: str, assumed: float) -> float:
     """Run-to-run noise as a relative sd, from repeated candidates' measurements (each group one
     candidate's positive values): pooled over every group's runs no straggler slowed (`unslowed`), once

@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import central, measured_noise, noise_sd
+from zenithtune.record import central, gap_in_se, measured_noise, noise_sd
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -742,7 +742,7 @@ class HeuristicStrategy(Strategy):
             if measured_noise(self._runs().values(), "maximize") is None:
                 rivals = sorted(near, key=lambda o: (n(o), -self._speed(o)))
             else:
-                rivals = sorted(near, key=lambda o: math.log(self._speed(best) / self._speed(o)) / se(o))
+                rivals = sorted(near, key=lambda o: gap_in_se(self._speed(best), n(best), self._speed(o), n(o), noise))
             for other in rivals:
                 o = min([best, other], key=lambda o: (n(o), -self._speed(o)))
                 if n(o) < CONFIRM_RUNS:
