@@ -34,6 +34,12 @@ How it chooses (each launch says which of these made it):
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
    among those the learned memory model gives at most `probe_risk` of running out; a second probe (or
    one after an OOM) only while an OOM of `max_ooms` is left and after everything else (step 5, 7).
+   Last, before the study confirms near ties or stops with none of `max_ooms` spent, a screened
+   candidate hopeful only through its uncertainty (predicted below the probe's `probe_gain`) is
+   probed too, within the same `probe_reach`, `probe_risk` and `memory_probes`: the one most likely
+   to fit and beat the best by `min_gain` ((1 - risk) x that chance), where that is at least the
+   chance the stop rule asks of a launchable candidate (16 % at `kappa` 1). An OOM there leaves one of
+   `max_ooms`; a run that fits teaches the memory model the edge, and the speed model a layout.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster; at twice and
    half the best's MBS where no run on that layout had it (`test_mbs`: the MBS gain and its activation
@@ -478,7 +484,7 @@ class HeuristicStrategy(Strategy):
         """The first of the hopeful candidates (`order`) the rules and the memory screen let run; else a
         memory probe, the best's tests, a layout never measured, or the best's confirmation."""
         at, pred, target = fc.at, fc.pred, self._speed(best)
-        probe = long_shot = None
+        probe = long_shot = chance_probe = None
         ruled = unfit = 0
         staked: tuple[Proposal, int] | None = None  # a launch that could spend the last OOM, while a safer one is sought
         for j in order:
@@ -520,6 +526,20 @@ class HeuristicStrategy(Strategy):
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
             r = max(r, 0.01)
+            if not self._ooms() and r <= self.probe_risk and self._probe_ok(cand):
+                # hopeful only by its uncertainty: with the whole OOM budget unspent, the screened candidate
+                # most likely to fit and beat the best goes before the study stops (robustness.py, Mixtral on
+                # the speed trainer with noise: stopped after 9 of 50 launches, no OOM spent, 0.963)
+                # its chance to fit and beat the best by min_gain must be the real chance (1c) the stop rule
+                # asks of a launchable candidate (`_nothing_left`: 16 % at kappa 1): search.py's Llama-3-8B spent
+                # an OOM on a 12 % fit, 2 % in all
+                z = math.log(target * (1 + self.min_gain) / max(float(pred[j]), 1e-9)) / max(float(fc.sd[j]), 1e-9)
+                worth = (1 - r) * 0.5 * math.erfc(z / math.sqrt(2))
+                if worth >= self._chance() and (chance_probe is None or worth > chance_probe[0]):
+                    chance_probe = (worth, Proposal(dict(cand), probe_memory=True, why=(
+                        f"memory probe before stopping: {why}, though {mem}; {100 * r:.0f} % risk of running out "
+                        f"of memory; with none of max_ooms={self.max_ooms} spent, the candidate hidden only by the "
+                        f"memory estimate most likely to fit and beat the best")))
             if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
                 # the probe worth most: expected gain per risk of running out of memory
                 worth = (1 - r) * (pred[j] / target - 1) / r
@@ -545,7 +565,8 @@ class HeuristicStrategy(Strategy):
         # last 10 launches confirmed near ties: 0.896). It goes before a probe that would spend that OOM
         # past the screen, at more risk.
         found = self._before_stopping(best, tried, reps, probe[1] if probe else None,
-                                      long_shot[0] if long_shot else None)
+                                      long_shot[0] if long_shot else None,
+                                      chance_probe[1] if chance_probe else None)
         if long_shot is not None and found is long_shot[0]:
             self._remember(fc, long_shot[1])
         return found or self._confirm(reps, best, noise, self._nothing_left(len(order), ruled, unfit, target))
@@ -565,16 +586,18 @@ class HeuristicStrategy(Strategy):
             f"({100 * self._risk(safer)[0]:.0f} %) that is still predicted to beat the best"))
 
     def _before_stopping(self, best: Outcome, tried: set[tuple], reps: dict[tuple, Outcome],
-                         probe: Proposal | None, long_shot: Proposal | None = None) -> Proposal | None:
+                         probe: Proposal | None, long_shot: Proposal | None = None,
+                         chance_probe: Proposal | None = None) -> Proposal | None:
         """When nothing the screen allows could beat the best: the best's own tests (those that could not
         spend the last OOM at more than `last_oom_risk` first), the memory probe, the layouts never measured,
         the long shot held for the last OOM. A second probe, or one after an OOM, comes last: it may spend
         the last OOM `max_ooms` allows, after which only proven fits run, so it goes only where nothing else
         is left to learn and the learned model still predicts a gain past the screen (a first probe that ran
-        out on one split leaves the others untried)."""
+        out on one split leaves the others untried). After all of them, with no OOM spent, the probe of a
+        candidate hopeful only through its uncertainty (`chance_probe`)."""
         early, late = (None, probe) if self._ooms() or any(o.probe for o in self.history) else (probe, None)
         tests = self._bests_tests(best, tried, reps, self.last_oom_risk if self._one_oom_left() else 1.0)
-        return tests or early or self._unmeasured_layout(tried, reps) or long_shot or late
+        return tests or early or self._unmeasured_layout(tried, reps) or long_shot or late or chance_probe
 
     def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
         """Per candidate, sqrt(share of its parallel sizes, alone and in pairs, that no measured run has)."""
@@ -623,9 +646,14 @@ class HeuristicStrategy(Strategy):
         off = [abs(math.log(self._speed(o) / self._predicted[k][0])) for k, o in reps.items() if k in self._predicted]
         return 1.25 * float(np.median(off)) if off else 0.0
 
+    def _chance(self) -> float:
+        """The chance a candidate must have to beat the best by `min_gain` for the study not to stop: that
+        of a prediction `kappa` standard deviations above its mean (16 % at kappa 1)."""
+        return 0.5 * math.erfc(self.kappa / math.sqrt(2))
+
     def _nothing_left(self, hopeful: int, ruled: int, unfit: int, target: float) -> str:
         """Why no unmeasured candidate is launched (the study's stop reason, unless a confirmation follows)."""
-        chance = 100 * 0.5 * math.erfc(self.kappa / math.sqrt(2))
+        chance = 100 * self._chance()
         if not hopeful:
             return (f"no unmeasured candidate has a {chance:.0f} % chance to beat the best "
                     f"({self._shown(target)}) by {100 * self.min_gain:g} %")
