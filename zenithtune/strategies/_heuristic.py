@@ -526,20 +526,9 @@ class HeuristicStrategy(Strategy):
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
             r = max(r, 0.01)
-            if not self._ooms() and r <= self.probe_risk and self._probe_ok(cand):
-                # hopeful only by its uncertainty: with the whole OOM budget unspent, the screened candidate
-                # most likely to fit and beat the best goes before the study stops (robustness.py, Mixtral on
-                # the speed trainer with noise: stopped after 9 of 50 launches, no OOM spent, 0.963)
-                # its chance to fit and beat the best by min_gain must be the real chance (1c) the stop rule
-                # asks of a launchable candidate (`_nothing_left`: 16 % at kappa 1): search.py's Llama-3-8B spent
-                # an OOM on a 12 % fit, 2 % in all
-                z = math.log(target * (1 + self.min_gain) / max(float(pred[j]), 1e-9)) / max(float(fc.sd[j]), 1e-9)
-                worth = (1 - r) * 0.5 * math.erfc(z / math.sqrt(2))
-                if worth >= self._chance() and (chance_probe is None or worth > chance_probe[0]):
-                    chance_probe = (worth, Proposal(dict(cand), probe_memory=True, why=(
-                        f"memory probe before stopping: {why}, though {mem}; {100 * r:.0f} % risk of running out "
-                        f"of memory; with none of max_ooms={self.max_ooms} spent, the candidate hidden only by the "
-                        f"memory estimate most likely to fit and beat the best")))
+            chance = self._chance_probe(cand, r, float(pred[j]), float(fc.sd[j]), target, f"{why}, though {mem}")
+            if chance is not None and (chance_probe is None or chance[0] > chance_probe[0]):
+                chance_probe = chance
             if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
                 # the probe worth most: expected gain per risk of running out of memory
                 worth = (1 - r) * (pred[j] / target - 1) / r
@@ -570,6 +559,25 @@ class HeuristicStrategy(Strategy):
         if long_shot is not None and found is long_shot[0]:
             self._remember(fc, long_shot[1])
         return found or self._confirm(reps, best, noise, self._nothing_left(len(order), ruled, unfit, target))
+
+    def _chance_probe(self, cand: dict, r: float, pred: float, sd: float, target: float,
+                      why: str) -> tuple[float, Proposal] | None:
+        """A screened candidate hopeful only through its uncertainty, as the probe before stopping: with none
+        of `max_ooms` spent, within `probe_risk` and `probe_reach`, its chance to fit and beat the best by
+        `min_gain` ((1 - r) x the chance its prediction gives) and the probe, where that chance is at least
+        what the stop rule asks of a launchable candidate (`_chance`). robustness.py, Mixtral on the speed
+        trainer with noise: stopped after 9 of 50 launches, no OOM spent, the screen hiding 2288 hopeful
+        candidates (0.963); without the chance floor search.py's Llama-3-8B spent an OOM on a 12 % fit."""
+        if self._ooms() or r > self.probe_risk or not self._probe_ok(cand):
+            return None
+        z = math.log(target * (1 + self.min_gain) / max(pred, 1e-9)) / max(sd, 1e-9)
+        worth = (1 - r) * 0.5 * math.erfc(z / math.sqrt(2))
+        if worth < self._chance():
+            return None
+        return worth, Proposal(dict(cand), probe_memory=True, why=(
+            f"memory probe before stopping: {why}; {100 * r:.0f} % risk of running out of memory; with none of "
+            f"max_ooms={self.max_ooms} spent, the candidate hidden only by the memory estimate most likely to fit "
+            f"and beat the best"))
 
     def _remember(self, fc: _Forecast, j: int) -> None:
         """What a launch was predicted at, for `_surprise` and the missed-prediction count once it ran."""
