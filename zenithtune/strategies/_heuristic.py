@@ -332,7 +332,7 @@ class HeuristicStrategy(Strategy):
         if novel is None or gb is None:
             return a.oom_risk, None
         sd = math.hypot(a.sd or 0.0, NOVEL_MEMORY_SD * gb)
-        return max(a.oom_risk, 0.5 * math.erfc((self.judge.capacity_gb - gb) / (sd * math.sqrt(2)))), novel
+        return max(a.oom_risk, _above((self.judge.capacity_gb - gb) / sd)), novel
 
     def _fits(self, c: dict, share: float | None) -> tuple[bool, str]:
         a = self.judge.assess(c)
@@ -526,10 +526,10 @@ class HeuristicStrategy(Strategy):
                 return Proposal(dict(cand), why=f"{why}; {mem}")
             unfit += 1
             r = max(r, 0.01)
-            chance = self._chance_probe(cand, r, float(pred[j]), float(fc.sd[j]), target, f"{why}, though {mem}")
-            if chance is not None and (chance_probe is None or chance[0] > chance_probe[0]):
-                chance_probe = chance
-            if pred[j] > target * (1 + self.probe_gain) and r <= self.probe_risk and self._probe_ok(cand):
+            if r > self.probe_risk or not self._probe_ok(cand):
+                continue
+            chance_probe = self._chance_probe(chance_probe, cand, r, fc, int(j), target, f"{why}, though {mem}")
+            if pred[j] > target * (1 + self.probe_gain):
                 # the probe worth most: expected gain per risk of running out of memory
                 worth = (1 - r) * (pred[j] / target - 1) / r
                 if probe is None or worth > probe[0]:
@@ -560,20 +560,21 @@ class HeuristicStrategy(Strategy):
             self._remember(fc, long_shot[1])
         return found or self._confirm(reps, best, noise, self._nothing_left(len(order), ruled, unfit, target))
 
-    def _chance_probe(self, cand: dict, r: float, pred: float, sd: float, target: float,
-                      why: str) -> tuple[float, Proposal] | None:
-        """A screened candidate hopeful only through its uncertainty, as the probe before stopping: with none
-        of `max_ooms` spent, within `probe_risk` and `probe_reach`, its chance to fit and beat the best by
-        `min_gain` ((1 - r) x the chance its prediction gives) and the probe, where that chance is at least
-        what the stop rule asks of a launchable candidate (`_chance`). robustness.py, Mixtral on the speed
-        trainer with noise: stopped after 9 of 50 launches, no OOM spent, the screen hiding 2288 hopeful
-        candidates (0.963); without the chance floor search.py's Llama-3-8B spent an OOM on a 12 % fit."""
-        if self._ooms() or r > self.probe_risk or not self._probe_ok(cand):
-            return None
-        z = math.log(target * (1 + self.min_gain) / max(pred, 1e-9)) / max(sd, 1e-9)
-        worth = (1 - r) * 0.5 * math.erfc(z / math.sqrt(2))
-        if worth < self._chance():
-            return None
+    def _chance_probe(self, found: tuple[float, Proposal] | None, cand: dict, r: float, fc: _Forecast, j: int,
+                      target: float, why: str) -> tuple[float, Proposal] | None:
+        """A screened candidate hopeful only through its uncertainty, as the probe before stopping (one within
+        `probe_risk` and `probe_reach`): with none of `max_ooms` spent, its chance to fit and beat the best by
+        `min_gain` ((1 - r) x the chance its prediction gives), where that is at least what the stop rule asks
+        of a launchable candidate (`_chance`): that chance and the probe if it beats `found` (the best so far of
+        the forecast `fc`'s candidates), else `found`. robustness.py, Mixtral on the speed trainer with noise:
+        stopped after 9 of 50 launches, no OOM spent, the screen hiding 2288 hopeful candidates (0.963);
+        without the chance floor search.py's Llama-3-8B spent an OOM on a 12 % fit."""
+        if self._ooms():
+            return found
+        bar = target * (1 + self.min_gain)
+        worth = (1 - r) * _above(math.log(bar / max(float(fc.pred[j]), 1e-9)) / max(float(fc.sd[j]), 1e-9))
+        if worth < self._chance() or (found is not None and worth <= found[0]):
+            return found
         return worth, Proposal(dict(cand), probe_memory=True, why=(
             f"memory probe before stopping: {why}; {100 * r:.0f} % risk of running out of memory; with none of "
             f"max_ooms={self.max_ooms} spent, the candidate hidden only by the memory estimate most likely to fit "
@@ -657,7 +658,7 @@ class HeuristicStrategy(Strategy):
     def _chance(self) -> float:
         """The chance a candidate must have to beat the best by `min_gain` for the study not to stop: that
         of a prediction `kappa` standard deviations above its mean (16 % at kappa 1)."""
-        return 0.5 * math.erfc(self.kappa / math.sqrt(2))
+        return _above(self.kappa)
 
     def _nothing_left(self, hopeful: int, ruled: int, unfit: int, target: float) -> str:
         """Why no unmeasured candidate is launched (the study's stop reason, unless a confirmation follows)."""
@@ -1098,3 +1099,8 @@ def _rec_desc(c: dict) -> str:
     if c.get("recompute_granularity") != "full":
         return str(c.get("recompute_granularity"))
     return f"full/{c.get('recompute_method')}/{c.get('recompute_num_layers')}"
+
+
+def _above(z: float) -> float:
+    """The chance a standard normal lands above `z`."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
