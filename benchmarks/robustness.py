@@ -4,6 +4,7 @@
     python benchmarks/robustness.py --write          # also write benchmarks/results/robustness.md
     python benchmarks/robustness.py --quick          # 3 scenarios x 2 flavours, noisy, heuristic, 1 seed (~2-3 min on one core)
     python benchmarks/robustness.py --strategies heuristic --flavours stand_in --noise on --seeds 3 --trace
+    python benchmarks/robustness.py --strategies heuristic --noise on --first-seed 1 --seeds 1   # seed 1 alone
 
 The tuner's memory model and throughput prior were written from the same notes as the simulator, and
 scaling the simulator's components (zenithtune/sim/perturb.py) keeps what grows with what. Here each
