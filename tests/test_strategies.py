@@ -1502,6 +1502,31 @@ def test_the_budget_end_confirms_the_best_against_its_likeliest_rival_once_repea
     # repeats that agree exactly: the heuristic's own rule (a near tie that could hide min_gain) decides
     runs([(a, 100.0), (b, 99.0), (a, 100.0), (b, 99.0), (c, 98.5), (d, 90.0), (d, 90.0)])
     assert loop._confirmation(2, 50, []) is None
+    # on that noisy trainer, the best and its closest rival run 3 times each are still measured again, up
+    # to 4 runs (the heuristic's own confirmations' count): 3 runs each left the 64-expert MoE on 16 H100
+    # (stand-in trainer, noise seed 0) calling a configuration 4.4 % below the optimum best, and the last
+    # launch went to C, run once and further off
+    runs([(a, 100.0), (b, 99.0), (a, 103.0), (b, 101.6), (a, 101.0), (b, 100.5), (c, 98.5), (d, 90.0), (d, 92.5)])
+    p = loop._confirmation(2, 50, [])
+    assert p is not None and p.repeat and p.fixed == b, p
+    runs([(a, 100.0), (b, 99.0), (a, 103.0), (b, 101.6), (a, 101.0), (b, 100.5), (a, 102.0), (b, 100.0),
+          (c, 100.0), (d, 90.0), (d, 92.5)])
+    p = loop._confirmation(2, 50, [])
+    assert p is not None and p.fixed == c, p  # a and b ran 4 times each: the next rival
+
+
+def test_the_budget_end_stops_confirming_near_ties_at_three_runs_where_repeats_agree_exactly():
+    # grid measures each candidate once; the loop confirms its best in the budget's last launches. Where
+    # repeats showed no noise (within NOISE / 4), a fourth run of a near tie tells nothing a third did not:
+    # 3 runs each, then the rival run once
+    job = make_job("grid")
+    loop = StudyLoop(job, optuna.create_study(direction="maximize"), sim_launch(job))
+    loop.start([])
+    a, b, c = sorted(job.space.walk(), key=lambda c: (c["mbs"], c["tp"]))[:3]
+    loop.outcomes = [Outcome(candidate=cand, state="complete", value=v, launched=True, trial_number=i)
+                     for i, (cand, v) in enumerate([(a, 100.0), (b, 99.6)] * 3 + [(c, 99.0)])]
+    p = loop._confirmation(2, 50, [])
+    assert p is not None and p.repeat and p.fixed == c, p
 
 
 def test_staged_does_not_keep_the_last_oom_before_any_layout_was_measured():
