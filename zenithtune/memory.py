@@ -57,6 +57,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from zenithtune.modelinfo import ModelInfo
+from zenithtune.record import chance_above
 from zenithtune.shape import Shape
 from zenithtune.validate import Layout
 
@@ -790,7 +791,7 @@ class MemoryModel:
         gb, sd = self._corrected(est), self._sd(est)
         if not sd:
             return 0.0
-        return 0.5 * math.erfc((self.capacity_gb - gb) / (sd * math.sqrt(2)))
+        return chance_above((self.capacity_gb - gb) / sd)
 
     def verdict(self, layout: Layout, vit_checkpointing: bool | None = None) -> Verdict:
         """Everything the model says of one layout at once (one estimate, one proof search)."""

@@ -335,6 +335,12 @@ def unslowed(values: list[float], direction: str) -> list[float]:
     return kept
 
 
+def chance_above(z: float) -> float:
+    """The chance a standard normal draw lands above `z` (an OOM risk: the capacity's distance above the
+    predicted peak in sd; a candidate's chance to beat a target)."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
 def gap_in_se(a: float, runs_a: int, b: float, runs_b: int, noise: float) -> float:
     """How far apart two candidates' scores `a` and `b` (of `runs_a` and `runs_b` runs, `noise` the relative
     sd of one run) are, in standard errors of their difference: the smallest is the rival the noise

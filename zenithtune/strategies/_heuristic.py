@@ -93,7 +93,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import central, gap_in_se, measured_noise, noise_sd
+from zenithtune.record import central, chance_above, gap_in_se, measured_noise, noise_sd
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -332,7 +332,7 @@ class HeuristicStrategy(Strategy):
         if novel is None or gb is None:
             return a.oom_risk, None
         sd = math.hypot(a.sd or 0.0, NOVEL_MEMORY_SD * gb)
-        return max(a.oom_risk, _above((self.judge.capacity_gb - gb) / sd)), novel
+        return max(a.oom_risk, chance_above((self.judge.capacity_gb - gb) / sd)), novel
 
     def _fits(self, c: dict, share: float | None) -> tuple[bool, str]:
         a = self.judge.assess(c)
@@ -572,7 +572,7 @@ class HeuristicStrategy(Strategy):
         if self._ooms():
             return found
         bar = target * (1 + self.min_gain)
-        worth = (1 - r) * _above(math.log(bar / max(float(fc.pred[j]), 1e-9)) / max(float(fc.sd[j]), 1e-9))
+        worth = (1 - r) * chance_above(math.log(bar / max(float(fc.pred[j]), 1e-9)) / max(float(fc.sd[j]), 1e-9))
         if worth < self._chance() or (found is not None and worth <= found[0]):
             return found
         return worth, Proposal(dict(cand), probe_memory=True, why=(
@@ -658,7 +658,7 @@ class HeuristicStrategy(Strategy):
     def _chance(self) -> float:
         """The chance a candidate must have to beat the best by `min_gain` for the study not to stop: that
         of a prediction `kappa` standard deviations above its mean (16 % at kappa 1)."""
-        return _above(self.kappa)
+        return chance_above(self.kappa)
 
     def _nothing_left(self, hopeful: int, ruled: int, unfit: int, target: float) -> str:
         """Why no unmeasured candidate is launched (the study's stop reason, unless a confirmation follows)."""
@@ -1099,8 +1099,3 @@ def _rec_desc(c: dict) -> str:
     if c.get("recompute_granularity") != "full":
         return str(c.get("recompute_granularity"))
     return f"full/{c.get('recompute_method')}/{c.get('recompute_num_layers')}"
-
-
-def _above(z: float) -> float:
-    """The chance a standard normal lands above `z`."""
-    return 0.5 * math.erfc(z / math.sqrt(2))
