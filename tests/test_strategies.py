@@ -924,68 +924,6 @@ def test_the_confirmations_settle_the_closest_rival_before_the_next():
     assert p is not None and p.fixed == far, p
 
 
-def test_near_ties_on_a_trainer_shown_noisy_are_measured_past_four_runs_each():
-    # Once repeats showed the noise, the best and its closest rival are measured up to NOISY_CONFIRM_RUNS (8)
-    # times each: at 3 % noise, 4 runs each leave two candidates 4 % apart 1.9 standard errors apart, and a
-    # study that stopped there with budget left called the slower one best (robustness.py, the 32k-sequence
-    # dense model on the memory trainer with noise: 0.963, 12 launches unused). Where repeats agree within
-    # a quarter of the assumed noise, 4 stays the cap (test_the_confirmations_settle_the_closest_rival_...).
-    job = make_job("heuristic")
-    st = job.strategy
-    st.setup(job, [])
-    walk = list(job.space.walk())
-    best_c, close, slow = walk[0], walk[1], walk[3]
-
-    def run(n, cand, value, repeat_of=None):
-        return Outcome(candidate=dict(cand), state="complete", value=value, launched=True, trial_number=n,
-                       repeat_of=repeat_of)
-
-    history = [run(0, best_c, 104.0), *(run(i, best_c, v, 0) for i, v in ((1, 99.0), (2, 101.0), (3, 97.0))),
-               run(4, close, 98.0), *(run(i, close, v, 4) for i, v in ((5, 101.5), (6, 96.0), (7, 100.0))),
-               run(8, slow, 80.0), run(9, slow, 83.0, 8)]  # the noise the repeats show: ~3 %
-    st.history = history
-    reps = st._reps()
-    best = max(reps.values(), key=st._speed)
-    p = st._confirm(reps, best, st._noise_sd(), "done")
-    assert p is not None and p.repeat and p.fixed in (best_c, close), p
-    assert "4 and 4 measurements do not tell from the noise" in p.why, p.why
-    # at 8 runs each the pair is settled as far as the repeats go: the study stops, saying why
-    more = [run(10 + i, c, v, 0 if c == best_c else 4)
-            for i, (c, v) in enumerate([(best_c, 100.0), (close, 99.0)] * 4)]
-    st.history = [*history, *more]
-    reps = st._reps()
-    best = max(reps.values(), key=st._speed)
-    assert st._confirm(reps, best, st._noise_sd(), "done") is None and st.stop_reason == "done"
-
-
-def test_a_sure_prediction_missed_twice_as_by_slowed_runs_is_measured_a_third_time():
-    # Two runs far below a sure prediction that would beat the best are what two slowed runs (a straggler)
-    # look like: a third decides. The 8-expert MoE on 8 H200 (speed trainer, noise): the optimum, predicted
-    # 515 +-5 %, ran 338 and 365, both 1.5x slowed, and never ran again (0.976). Not where the prediction
-    # is unsure, where it does not beat the best, or where the two runs agree exactly (no noise).
-    job = make_job("heuristic")
-    st = job.strategy
-    st.setup(job, [])
-    walk = list(job.space.walk())
-    best_c, hoped = walk[0], walk[1]
-
-    def run(n, cand, value, repeat_of=None):
-        return Outcome(candidate=dict(cand), state="complete", value=value, launched=True, trial_number=n,
-                       repeat_of=repeat_of)
-
-    def third(prediction, values):
-        st._predicted = {job.space.key(hoped): prediction}
-        st.history = [run(0, best_c, 512.0), run(1, hoped, values[0]), run(2, hoped, values[1], 1)]
-        return st._surprise(st._reps(), 512.0, 0.03)
-
-    p = third((515.0, 0.05), (338.0, 365.0))
-    assert p is not None and p.repeat and p.fixed == hoped, p
-    assert "both lie 29 % or more below its prediction" in p.why and "as two slowed runs would" in p.why, p.why
-    assert third((515.0, 0.39), (338.0, 365.0)) is None  # a guess: the runs more likely show it wrong
-    assert third((500.0, 0.05), (338.0, 365.0)) is None  # predicted below the best: nothing hangs on it
-    assert third((515.0, 0.05), (338.0, 338.0)) is None  # exact repeats: a trainer without noise
-
-
 def test_heuristic_measures_the_layouts_a_wrong_prior_ranks_low_before_it_stops(tmp_path):
     """Real Megatron-LM on 2 CPU ranks (replayed, tests/fixtures/megatron_cpu_replay.py): the prior ranks
     pp=1 30x below pp=2 and the first runs miss their predictions by far more than 35 %; before stopping

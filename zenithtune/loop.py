@@ -44,8 +44,7 @@ LaunchFn = Callable[[int, dict, "float | None"], Launched]  # (trial number, can
 # runs each), and a candidate whose two runs disagree beyond record.STRAGGLER gets a third, which decides.
 # At most CONFIRM_AT_END launches (an eighth of the budget, at least 2); the noise is NOISE (relative sd)
 # until repeats measure it (record.noise_sd). Once repeats showed the noise (beyond NOISE / 4), up to
-# NOISY_CONFIRM_RUNS runs each (the heuristic's own confirmations before it stops go to 8, with the launches
-# the search left; here at most CONFIRM_AT_END are left): at 3 % noise the mean of 4 runs is
+# NOISY_CONFIRM_RUNS runs each, as the heuristic's own confirmations: at 3 % noise the mean of 4 runs is
 # within 1.5 %, and two near ties run 3 times each may still be 4 % apart in truth (robustness.py, the
 # 64-expert MoE on 16 H100, stand-in trainer with noise: the optimum and a configuration 4.4 % slower had
 # 3 runs each, the slower one ahead, and the budget's last launch went to a rival run once).

@@ -68,15 +68,12 @@ How it chooses (each launch says which of these made it):
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
    predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
-   measurements that disagree (a third decides), two that agree but both lie far below a sure prediction
-   that beats the best, as two slowed runs would (a third decides), leaving CONFIRM_RESERVE of `repeats`
-   to what follows;
+   measurements that disagree (a third decides), leaving CONFIRM_RESERVE of `repeats` to what follows;
    and before stopping, a best that ran once, and every
    candidate the noise cannot yet tell from the best (within two standard errors of the difference of
    their means, while those could still hide `min_gain`), the rival the noise rules out least (the
    smallest gap in standard errors) first, the fewer-measured of it and the best, up to CONFIRM_RUNS
-   runs each, NOISY_CONFIRM_RUNS once repeats showed the noise beyond a quarter of `noise` (the
-   fewest-measured first until repeats of three candidates measured the noise).
+   runs each (the fewest-measured first until repeats of three candidates measured the noise).
    The noise is `noise` until repeats of three candidates measure it (then at least a quarter of it).
 7. Evidence, not the prior, decides when to stop: measurements that contradict the prior's ranking
    (Kendall's tau below CONTRADICTED over clearly ranked pairs) widen every prediction's uncertainty,
@@ -146,11 +143,6 @@ NOVEL_RISK = 0.25
 # Measurements of one candidate at most, before stopping, to tell it from a best the noise could have
 # decided (3 % run-to-run noise: the mean of 4 runs is within 1.5 %)
 CONFIRM_RUNS = 4
-# ... and once repeats showed the noise (beyond a quarter of `noise`), while `repeats` last: at 3 % noise two
-# candidates 4 % apart at 4 runs each are 1.9 standard errors apart, and a study that stopped there with
-# budget left called the slower one best (robustness.py, the 32k-sequence dense model on the memory
-# trainer with noise: 0.963, 12 launches unused); at 8 runs each they are 2.7 apart.
-NOISY_CONFIRM_RUNS = 8
 # Of `repeats`, this many (at most a third) are kept for the confirmations before stopping: surprises
 # (outliers) do not spend them all.
 CONFIRM_RESERVE = 4
@@ -738,10 +730,6 @@ class HeuristicStrategy(Strategy):
                     max(values) >= target * (1 - 3 * noise):
                 return self._again(o, f"its two measurements {self._shown(values[0])} and {self._shown(values[1])} "
                                       f"disagree beyond the noise ({100 * noise:.1f} %): a third decides")
-            if len(values) == 2 and counts.get(k, 0) == 2:
-                slowed = self._both_slowed(k, values, target, noise)
-                if slowed:
-                    return self._again(o, slowed)
             if counts.get(k, 0) > 1:
                 continue
             speed, pr = self._speed(o), self._predicted.get(k)
@@ -767,22 +755,6 @@ class HeuristicStrategy(Strategy):
                                       f"its ladder")
         return None
 
-    def _both_slowed(self, k: tuple, values: list[float], target: float, noise: float) -> str | None:
-        """Why a candidate measured twice is measured a third time: both runs fell far below a sure prediction
-        (within 3x the noise) that beats the best, as two slowed runs (a straggler, 10 % of runs on a busy
-        cluster) would; runs that agree exactly (within a quarter of the assumed noise) show a trainer without
-        noise, where a third would repeat them. On the 8-expert MoE on 8 H200 (speed trainer, noise) the
-        optimum, predicted at 515 +-5 %, ran 338 and 365 (1.5x slowed, both) and never ran again: 0.976."""
-        pr = self._predicted.get(k)
-        if pr is None or pr[1] > 3 * noise or pr[0] <= target or abs(math.log(values[0] / values[1])) <= self.noise / 4:
-            return None
-        off = math.log(max(values) / pr[0])
-        if off >= -max(3 * noise, 2 * pr[1]):
-            return None
-        return (f"its two measurements {self._shown(values[0])} and {self._shown(values[1])} both lie "
-                f"{100 * -math.expm1(off):.0f} % or more below its prediction {self._shown(pr[0])} (+-{100 * pr[1]:.0f} %), "
-                f"as two slowed runs would: a third decides")
-
     def _confirm(self, reps: dict[tuple, Outcome], best: Outcome, noise: float, why: str) -> Proposal | None:
         """Before stopping: while the noise cannot tell a candidate from the best, the rival it rules out
         least, or the best, whichever ran fewer times, is measured again (within `repeats`); else stop,
@@ -804,15 +776,13 @@ class HeuristicStrategy(Strategy):
             # each pair as undecided as before when they run out. Until repeats of three candidates
             # measured the noise, the fewest-measured near tie goes first: a trainer without noise shows
             # it then, and its near ties stop needing runs
-            shown = measured_noise(self._runs().values(), "maximize")
-            if shown is None:
+            if measured_noise(self._runs().values(), "maximize") is None:
                 rivals = sorted(near, key=lambda o: (n(o), -self._speed(o)))
             else:
                 rivals = sorted(near, key=lambda o: gap_in_se(self._speed(best), n(best), self._speed(o), n(o), noise))
-            most = NOISY_CONFIRM_RUNS if shown is not None and shown > self.noise / 4 else CONFIRM_RUNS
             for other in rivals:
                 o = min([best, other], key=lambda o: (n(o), -self._speed(o)))
-                if n(o) < most:
+                if n(o) < CONFIRM_RUNS:
                     gap = self._speed(best) / self._speed(other) - 1
                     return self._again(o, f"the best (trial {best.trial_number}) and trial {other.trial_number} are "
                                           f"{100 * gap:.1f} % apart, which {n(best)} and {n(other)} measurement"
