@@ -436,8 +436,9 @@ class StagedBlackboxStrategy(Strategy):
             safe = self._safest(o, tried, incumbent * (1 + self.probe_gain)) if edge and not probe else None
             likeliest = None if edge or probe else self._likeliest(o, tried, incumbent)
             lightest = c
-            if safe is not None or likeliest is not None:
-                c = safe or likeliest
+            chosen = safe if safe is not None else likeliest
+            if chosen is not None:
+                c = chosen
                 rate = self._plausible(o, c)
                 gain = rate / incumbent - 1
             desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, c))
