@@ -636,33 +636,6 @@ def test_staged_promotion_with_one_oom_left_takes_the_least_risk_setting_that_st
     assert p.fixed["recompute_granularity"] == "none" and "chance to fit" not in p.why, p.why
 
 
-def test_staged_mbs_step_with_one_oom_left_goes_to_the_lightest_recompute_the_risk_cap_lets_run():
-    # With one OOM of max_ooms left an MBS step may carry at most `last_oom_risk` (25 %): the loop prunes one
-    # above it. The step is then not lost: the lightest heavier recompute under the cap goes instead. (The
-    # memory model's risk is replaced here: the best's own recompute at MBS 2 40 %, at any virtual pipeline
-    # size, anything heavier 10 %.)
-    job = make_job("staged_blackbox", extra=("strategy.stage1_trials=3",))
-    study(job, 3)
-    st = job.strategy
-    o = next(o for o in st.history if o.ok and o.candidate.get("mbs") == 1)
-    doubled = {**o.candidate, "mbs": 2}
-    real = job.assess
-
-    def assess(c):
-        same = c.get("mbs") == 2 and st._work(c) <= st._work(o.candidate)
-        return dataclasses.replace(real(c), oom_risk=0.4 if same else 0.1)
-
-    st.judge = type("J", (), {"assess": staticmethod(assess), "capacity_gb": job.capacity_gb})()
-    st._ooms = lambda: st.max_ooms - 1
-    p = st._mbs_step(o, set(), False, True)
-    assert p is not None and p.fixed.get("mbs") == 2 and p.fixed != doubled, p
-    assert st._work(p.fixed) > st._work(o.candidate) and p.max_risk == st.last_oom_risk, p
-    st._neighboured.clear()
-    st._ooms = lambda: 0  # two OOMs left: no cap, the same recompute at twice the micro-batch
-    p = st._mbs_step(o, set(), False, True)
-    assert p is not None and p.fixed == doubled and p.max_risk is None, p
-
-
 def test_staged_layout_steps_reach_two_values_away_once_no_near_layout_is_left():
     # A MoE space's valid layouts are sparse (EP x ETP must divide what TP x CP x DP leave): from the
     # best, "one value up or down" may leave nothing, and the move that matters is often two at once.

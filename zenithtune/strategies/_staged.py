@@ -43,8 +43,7 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    `probe_risk` of running out: the estimate must never miss an OOM, so at its edge it is a few GB
    pessimistic, and the fastest layouts often live there.
 3. MBS steps: the best setting at the next smaller and larger MBS (same recompute, or where that is
-   screened, the lightest recompute that fits at the larger MBS and costs little more work; with one OOM
-   left, "screened" includes carrying more than `last_oom_risk`, which the loop would prune), then the
+   screened, the lightest recompute that fits at the larger MBS and costs little more work), then the
    next larger MBS of every other layout whose best is within `mbs_reach` of the best: a larger
    micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
    Each is measured once.
@@ -483,29 +482,25 @@ class StagedBlackboxStrategy(Strategy):
         sizes = sorted({c.get("mbs", 1) for c in cands.values()})
         mbs = b.get("mbs", 1)
         steps = [m for m in sizes if m > mbs][:1] + ([m for m in sizes if m < mbs][-1:] if down else [])
-        cap = self._stake(0.0)
-        # what the screen admits and the OOM risk the step may carry (`_stake`) lets run: a step the loop
-        # would prune for its risk is not proposed, its next heavier recompute is
-        runs = lambda c: not self._screened(c) and (cap is None or self.judge.assess(c).oom_risk <= cap)  # noqa: E731
         for m in steps:
             if (self.space.key(b), m) in self._neighboured:
                 continue
             key = self.space.key({**b, "mbs": m})
             same = cands.get(key)
-            if same is not None and runs(same):
+            if same is not None and not self._screened(same):
                 pick = None if key in tried else same
             elif m > mbs:
-                # the larger MBS needs more recompute: the lightest that may run, if it costs little work
+                # the larger MBS needs more recompute: the lightest that fits, if it costs little work
                 ups = [c for k, c in cands.items() if k not in tried and c.get("mbs") == m
                        and settings(c) == settings(b)
                        and self._work(c) <= self._work(b) + NEIGHBOUR_EXTRA_WORK]
-                pick = next((c for c in sorted(ups, key=self._work) if runs(c)), None)
+                pick = next((c for c in sorted(ups, key=self._work) if not self._screened(c)), None)
             else:
                 pick = None
             if pick is not None:
                 self._neighboured.add((self.space.key(b), m))
                 who = "the best" if incumbent else "a runner-up layout's best"
-                return Proposal(dict(pick), stage=SETTINGS_STAGE, max_risk=cap,
+                return Proposal(dict(pick), stage=SETTINGS_STAGE, max_risk=self._stake(0.0),
                                 why=f"stage 2, MBS next to {who} (trial {best.trial_number}, mbs {mbs}): "
                                 f"mbs {m} with {_rec(pick)}")
         return None
