@@ -68,7 +68,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -381,31 +381,31 @@ class StagedBlackboxStrategy(Strategy):
             return c, hidden
         return None, hidden
 
-    def _safest(self, best: Outcome, tried: set[tuple], bar: float) -> dict | None:
-        """Of `_lighter_settings` that the screen admits and that plausibly reach `bar`, the one carrying the
-        least risk of running out of memory (ties: the lightest), or None."""
+    def _lighter_pick(self, best: Outcome, tried: set[tuple], bar: float,
+                      worth: Callable[[dict, float], float]) -> dict | None:
+        """Of `_lighter_settings` that the screen admits and that plausibly reach `bar`, the one `worth` (of the
+        setting and its plausible rate) rates highest (ties: the lightest), or None."""
         found: tuple[float, dict] | None = None
         for c in self._lighter_settings(best, tried):
-            if self._screened(c) or self._plausible(best, c) < bar:
+            rate = self._plausible(best, c)
+            if self._screened(c) or rate < bar:
                 continue
-            risk = self.judge.assess(c).oom_risk
-            if found is None or risk < found[0]:
-                found = (risk, c)
+            w = worth(c, rate)
+            if found is None or w > found[0]:
+                found = (w, c)
         return None if found is None else found[1]
 
+    def _safest(self, best: Outcome, tried: set[tuple], bar: float) -> dict | None:
+        """Of the lighter settings plausibly reaching `bar`, the one carrying the least risk of running out of
+        memory (`_lighter_pick`)."""
+        return self._lighter_pick(best, tried, bar, lambda c, _: -self.judge.assess(c).oom_risk)
+
     def _likeliest(self, best: Outcome, tried: set[tuple], incumbent: float) -> dict | None:
-        """Of `_lighter_settings` that the screen admits and that plausibly beat `incumbent` by `min_gain`, the
-        one whose gain is largest once weighed by its chance to fit: (1 - OOM risk) x (plausible rate -
-        incumbent) under the learned memory model (ties: the lightest), or None."""
-        found: tuple[float, dict] | None = None
-        for c in self._lighter_settings(best, tried):
-            gain = self._plausible(best, c) - incumbent
-            if self._screened(c) or gain <= incumbent * self.min_gain:
-                continue
-            worth = (1 - self.judge.assess(c).oom_risk) * gain
-            if found is None or worth > found[0]:
-                found = (worth, c)
-        return None if found is None else found[1]
+        """Of the lighter settings plausibly beating `incumbent` by `min_gain`, the one whose gain is largest
+        once weighed by its chance to fit: (1 - OOM risk) x (plausible rate - incumbent) under the learned
+        memory model (`_lighter_pick`)."""
+        return self._lighter_pick(best, tried, incumbent * (1 + self.min_gain),
+                                  lambda c, rate: (1 - self.judge.assess(c).oom_risk) * (rate - incumbent))
 
     def _promotion(self, incumbent: float, tried: set[tuple]) -> Proposal | None:
         """Steps 1 and 2 of stage 2 (module docstring): the layout whose lightest admissible setting
