@@ -95,9 +95,6 @@ class MemoryEstimate:
     # how many times expert_activations_gb a rank holds if expert TP, not TP, splits the routed tokens
     # (Megatron-Core's MoE parallel folding): tp / expert tp where that is above 1
     expert_folding: float = 1.0
-    # how an MoE model's tensors split (TP, EP, expert TP; () for a dense model): trainers' memory laws
-    # differ most between splits, so a miss on one says least about another runs have covered
-    split: tuple[int, ...] = ()
 
     @property
     def total_gb(self) -> float:
@@ -302,8 +299,7 @@ def _stage(layout: Layout, params_dense: float, params_expert: float, act: float
         activations_gb=act / GIB, overhead_gb=overhead_gb + FRAGMENTATION * allocated / GIB, stage=name,
         expert_activations_gb=routed_act / GIB, logits_gb=logits_act / GIB,
         full_recompute=layout.recompute_granularity == "full", micro_batch=max(1, layout.mbs),
-        expert_folding=max(1.0, t / max(1, layout.expert_tp)) if routed_act else 1.0,
-        split=(t, max(1, layout.ep), max(1, layout.expert_tp)) if params_expert else ())
+        expert_folding=max(1.0, t / max(1, layout.expert_tp)) if routed_act else 1.0)
 
 
 def estimate(layout: Layout, model: ModelInfo, *, distributed_optimizer: bool = True,
@@ -730,7 +726,7 @@ class MemoryModel:
     def _sd(self, est: MemoryEstimate) -> float:
         x = self._xl(est)
         fitted = (1 + self._fragmentation(est)) * self._fitted_sd(x)
-        return math.hypot(fitted, self._model_error(est) * self._corrected(est))
+        return math.hypot(fitted, self.model_error * self._corrected(est))
 
     @property
     def model_error(self) -> float:
@@ -738,18 +734,6 @@ class MemoryModel:
         the model is on a run it had to predict (a trainer it cannot describe widens it). Every miss is
         judged again as the fit learns (`_rejudge`), so one the model now predicts no longer counts."""
         return max([MODEL_ERROR, *(m[0] for m in self._misses)])
-
-    def _model_error(self, est: MemoryEstimate) -> float:
-        """`model_error` as it bears on `est`: an MoE model's miss on another TP / EP / expert-TP split
-        counts only while no run on `est`'s own split was predicted (within 2 sd). Trainers' laws differ
-        most between splits (expert activations divided by expert TP or by TP): on the stand-in Qwen3 a
-        TP4 / expert-TP4 run 35 % over its prediction held every TP1 / expert-TP1 prediction +-35 %,
-        though a dozen runs on that split were predicted within 4 %, and the optimum there stayed a coin toss."""
-        if not est.split or not self._misses:
-            return self.model_error
-        missed = {id(m[1]) for m in self._misses}
-        covered = any(e.split == est.split and id(e) not in missed for e, _ in self._measured)
-        return max([MODEL_ERROR, *(m[0] for m in self._misses if not covered or m[1].split == est.split)])
 
     @staticmethod
     def _within(a: np.ndarray, b: np.ndarray) -> bool:
