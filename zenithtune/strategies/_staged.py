@@ -252,6 +252,26 @@ class StagedBlackboxStrategy(Strategy):
                 return cand
         return floor
 
+    def _safest_layout(self) -> tuple[tuple, float] | None:
+        """After an OOM, while no layout has been measured: the untried layout whose memory-safe settings
+        the learned memory model gives the least risk of running out, and that risk (None otherwise: the
+        draw stays random). A random draw then may spend the study's last OOM before anything fit, and
+        after it only proven fits run, which nothing measured proves (robustness.py, Mixtral on 24 H100,
+        memory and stand-in trainers, noise seed 2: TP1 PP1 CP2 EP8 and then TP1 PP1 CP4 EP8, each with
+        every layer recomputed, ran out of memory, and the study ended after 2 launches with nothing
+        measured)."""
+        if self._best or not self._oom_runs():
+            return None
+        risks = []
+        for lay in self._untried_layouts():
+            a = self.judge.assess(self._safe_settings(dict(lay)))
+            if a.valid:
+                risks.append((a.oom_risk, lay))
+        if not risks:
+            return None
+        risk, lay = min(risks, key=lambda t: t[0])  # the space's order among equals
+        return lay, risk
+
     def _ladder(self, base: dict) -> list[dict]:
         """`base` with each recompute setting of RECOMPUTE_LADDER, from the least work to the most."""
         return [self.space.normalize({**base, **rec})
@@ -657,6 +677,13 @@ class StagedBlackboxStrategy(Strategy):
                 if self._streak >= self.patience or self._stage1_launched < self.n_startup_trials:
                     why = "TPE repeated itself" if self._streak >= self.patience else \
                         f"TPE's start ({self._stage1_launched + 1} of {self.n_startup_trials})"
+                    safest = self._safest_layout()
+                    if safest is not None:
+                        lay, risk = safest
+                        return Proposal(dict(lay), why=f"stage 1: {why}; no layout measured yet after an OOM: "
+                                        f"the untried layout whose memory-safe settings carry the least risk "
+                                        f"({100 * risk:.0f} %)", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
+                                        complete=self._safe_settings, max_risk=self._safe_risk())
                     lay = self._rng.choice(self._untried_layouts())
                     return Proposal(dict(lay), why=f"stage 1: {why}; an untried layout at random, "
                                     "at memory-safe settings", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
