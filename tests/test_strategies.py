@@ -1552,3 +1552,22 @@ def test_staged_does_not_keep_the_last_oom_before_any_layout_was_measured():
     assert runs[0].kind == "oom", [(o.candidate, o.kind) for o in runs]
     assert len(runs) == 6 and any(o.ok for o in runs), [(o.why, o.kind) for o in runs]
     assert sum(o.kind == "oom" for o in runs) <= 2
+
+
+def test_staged_draws_the_least_risk_layout_after_an_oom_before_any_layout_was_measured():
+    # benchmarks/robustness.py, Mixtral-8x7B on 24 H100, memory and stand-in trainers, noise seed 2: stage
+    # 1's first two random layouts (TP1 PP1 EP8, CP 2 then 4, every layer recomputed) both ran out of
+    # memory; max_ooms was spent before anything fit, only proven fits could run, nothing proved any, and
+    # the study ended after 2 launches with nothing measured. After an OOM, until a layout is measured,
+    # stage 1 draws the untried layout whose memory-safe settings the learned model gives the least risk.
+    job = make_job("staged_blackbox", n_gpus=24, gbs=96, shape=[*MIXTRAL, "--position-embedding-type=rope"],
+                   gpu="h100", switches=True, sim=("--sim-flavour=memory",))
+    loop, _ = study(job, 1)
+    st = job.strategy
+    assert launched(loop)[0].kind == "oom"
+    risks = {lay: job.assess(st._safe_settings(dict(lay))).oom_risk for lay in st._untried_layouts()}
+    p = st.ask()
+    assert "no layout measured yet after an OOM: the untried layout whose memory-safe settings carry the " \
+           "least risk" in p.why, p.why
+    lay = next(lay for lay in risks if dict(lay) == p.fixed)
+    assert risks[lay] == min(risks.values()) < 0.5, (risks[lay], min(risks.values()))
