@@ -16,7 +16,9 @@ out under the learned memory model; the loop prunes one above it and TPE draws a
 the last OOM only proven fits run, which would keep stage 2 from every setting it has not measured. So
 do stage 2's settings, but for a promotion that plausibly beats the best by `probe_gain` (an MBS step
 or a TPE draw foresees no gain worth the last OOM; no lighter recompute of a layout measured under full
-recompute is ever proven to fit).
+recompute is ever proven to fit). After an OOM, until a layout is measured, stage 1's draw is the untried
+layout whose memory-safe settings carry the least risk under the learned memory model (a random one could
+spend the last OOM before anything fit, and after it nothing is proven to fit).
 Once an OOM above a layout's floor showed the estimate short of this trainer, such a run takes the
 layout's memory floor (every layer recomputed) rather than the cheapest recompute the estimate says fits.
 
