@@ -264,15 +264,9 @@ class StagedBlackboxStrategy(Strategy):
         measured)."""
         if self._best or not self._oom_runs():
             return None
-        risks = []
-        for lay in self._untried_layouts():
-            a = self.judge.assess(self._safe_settings(dict(lay)))
-            if a.valid:
-                risks.append((a.oom_risk, lay))
-        if not risks:
-            return None
-        risk, lay = min(risks, key=lambda t: t[0])  # the space's order among equals
-        return lay, risk
+        judged = ((lay, self.judge.assess(self._safe_settings(dict(lay)))) for lay in self._untried_layouts())
+        # the space's order among equals
+        return min(((lay, a.oom_risk) for lay, a in judged if a.valid), key=lambda t: t[1], default=None)
 
     def _ladder(self, base: dict) -> list[dict]:
         """`base` with each recompute setting of RECOMPUTE_LADDER, from the least work to the most."""
@@ -681,14 +675,12 @@ class StagedBlackboxStrategy(Strategy):
                         f"TPE's start ({self._stage1_launched + 1} of {self.n_startup_trials})"
                     safest = self._safest_layout()
                     if safest is not None:
-                        lay, risk = safest
-                        return Proposal(dict(lay), why=f"stage 1: {why}; no layout measured yet after an OOM: "
-                                        f"the untried layout whose memory-safe settings carry the least risk "
-                                        f"({100 * risk:.0f} %)", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
-                                        complete=self._safe_settings, max_risk=self._safe_risk())
-                    lay = self._rng.choice(self._untried_layouts())
-                    return Proposal(dict(lay), why=f"stage 1: {why}; an untried layout at random, "
-                                    "at memory-safe settings", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
+                        lay, how = safest[0], (f"no layout measured yet after an OOM: the untried layout whose "
+                                               f"memory-safe settings carry the least risk ({100 * safest[1]:.0f} %)")
+                    else:
+                        lay, how = self._rng.choice(self._untried_layouts()), \
+                            "an untried layout at random, at memory-safe settings"
+                    return Proposal(dict(lay), why=f"stage 1: {why}; {how}", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
                                     complete=self._safe_settings, max_risk=self._safe_risk())
                 return Proposal({}, why="stage 1: TPE picks the layout, at memory-safe settings",
                                 stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS, complete=self._safe_settings,
