@@ -318,6 +318,13 @@ class HeuristicStrategy(Strategy):
             oom = self._split_ooms.get(_split(c))
             if oom is not None:  # its law is shown to be other than the model's, and no run says which
                 return f"a tp/ep/etp split that ran out of memory (trial {oom}) and never fit", RISK_DONE
+            widest = max(self._covered.values())
+            if int(c.get("mbs", 1)) > 2 * widest:
+                # both novelties at once compound beyond any widening of one prediction: the split's law and
+                # activations that grow faster than the MBS (the 64-expert MoE on the stand-in trainer: TP 4
+                # / EP 8 at MBS 8, predicted 27 GB after one run at MBS 2, ran out of memory as the 2nd launch)
+                return (f"a tp/ep/etp split no run that fit had, at mbs {c.get('mbs')}, over twice the largest "
+                        f"that fit on any ({widest})"), 0.0
             return "a tp/ep/etp split no run that fit had", NOVEL_RISK
         if int(c.get("mbs", 1)) > 2 * top:
             return f"mbs {c.get('mbs')}, over twice the largest that fit on its split ({top})", NOVEL_RISK
@@ -345,6 +352,8 @@ class HeuristicStrategy(Strategy):
         if share is not None and gb > share * cap:
             return False, f"{gb:.0f}/{cap:g} GB"
         risk, novel = self._risk(c)
+        if novel and not novel[1]:
+            return False, f"{gb:.0f}/{cap:g} GB on {novel[0]}: its split is measured at a smaller mbs first"
         if novel and risk > novel[1]:
             return False, (f"{gb:.0f}/{cap:g} GB on {novel[0]}: a {100 * risk:.0f} % risk of running out of "
                            f"memory, above {100 * novel[1]:g} % where no run measured this trainer's memory")
