@@ -1571,3 +1571,36 @@ def test_staged_draws_the_least_risk_layout_after_an_oom_before_any_layout_was_m
            "least risk" in p.why, p.why
     lay = next(lay for lay in risks if dict(lay) == p.fixed)
     assert risks[lay] == min(risks.values()) < 0.5, (risks[lay], min(risks.values()))
+
+
+def _new_splits(runs: list[Outcome]) -> list[tuple[dict, int]]:
+    """Launches on a MoE TP / EP / expert-TP split no earlier run fit on, after one fit, with the largest
+    MBS any earlier run fit with."""
+    new, fit = [], []
+    for o in runs:
+        split = (o.candidate["tp"], o.candidate.get("ep", 1), o.candidate.get("etp", 1))
+        if fit and split not in {s for s, _ in fit}:
+            new.append((o.candidate, max(m for _, m in fit)))
+        if o.ok:
+            fit.append((split, o.candidate["mbs"]))
+    return new
+
+
+def test_heuristic_measures_a_new_moe_split_at_a_small_mbs_first():
+    # benchmarks/robustness.py, the 64-expert MoE on 16 H100, stand-in trainer, noise seed 2: after one
+    # run at MBS 2, the 2nd launch was TP4 / EP8 at MBS 8, predicted 27 of 79 GB. A trainer whose expert
+    # activations TP does not split and whose activations grow faster than the MBS needed more than the
+    # GPU: an OOM, and no EP layout ran again (0.886 of the optimum, TP1 EP8). A split no run fit on is
+    # first measured at an MBS at most twice the largest that fit anywhere.
+    job = make_job("heuristic", n_gpus=16, gbs=128, gpu="h100", switches=True,
+                   shape=["--num-layers=16", "--hidden-size=2048", "--ffn-hidden-size=8192", "--num-attention-heads=16",
+                          "--num-experts=64", "--moe-router-topk=8", "--moe-ffn-hidden-size=1024", "--seq-length=4096",
+                          "--max-position-embeddings=4096", "--vocab-size=50304", "--swiglu", "--disable-bias-linear",
+                          "--untie-embeddings-and-output-weights", "--position-embedding-type=rope"],
+                   extra=("mbs_max=8",),
+                   sim=("--sim-flavour=stand_in", "--sim-noise-sigma=0.03", "--sim-outlier-rate=0.1",
+                        "--sim-noise-seed=2"))
+    loop, _ = study(job, 12)
+    new = _new_splits(launched(loop))
+    assert new  # the rule had launches to govern
+    assert all(c["mbs"] <= 2 * top for c, top in new), new

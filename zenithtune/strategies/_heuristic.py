@@ -28,7 +28,8 @@ How it chooses (each launch says which of these made it):
    loop enforces the same cap for every strategy); for an MoE model, a TP / EP / expert-TP split no run
    that fit had, or (any model) an MBS over twice the largest that fit on its split, carrying more than
    NOVEL_RISK of running out once its doubt is widened by NOVEL_MEMORY_SD (RISK_DONE where that split ran
-   out of memory and never fit): `max_ooms` is spent where runs showed how this trainer uses memory; a
+   out of memory and never fit), and such a split at an MBS over twice the largest that fit on any split
+   (both novelties compound): `max_ooms` is spent where runs showed how this trainer uses memory; a
    larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
    crashed. When nothing the screen allows could beat the best, a budgeted memory probe
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
