@@ -23,15 +23,16 @@ How it chooses (each launch says which of these made it):
    teaches nothing about speed, so each counts as (1 - risk) x optimistic + risk x best, where risk is
    the probability the study's learned memory model gives it of not fitting. Never launched: what the
    memory model screens (or `fit` excludes); the same layout and recompute at an MBS at least as large
-   as one that ran out of memory; after an OOM, anything carrying more than `oom_risk` of running out,
-   and after `max_ooms` OOMs, anything a run that fit does not prove fits (dominance.py; the study
-   loop enforces the same cap for every strategy); for an MoE model, a TP / EP / expert-TP split no run
-   that fit had, or (any model) an MBS over twice the largest that fit on its split, carrying more than
-   NOVEL_RISK of running out once its doubt is widened by NOVEL_MEMORY_SD (RISK_DONE where that split ran
-   out of memory and never fit), and such a split at an MBS over twice the largest that fit on any split
-   (both novelties compound): `max_ooms` is spent where runs showed how this trainer uses memory; a
-   larger MBS or more recomputed layers of a layout that already lost to a smaller one; a layout that
-   crashed. When nothing the screen allows could beat the best, a budgeted memory probe
+   as one that ran out of memory, and the same layout there without recompute; after an OOM, anything
+   carrying more than `oom_risk` of running out, and after `max_ooms` OOMs, anything a run that fit does
+   not prove fits (dominance.py; the study loop enforces the same cap for every strategy); for an MoE
+   model, a TP / EP / expert-TP split no run that fit had, or (any model) an MBS over twice the largest
+   that fit on its split, carrying more than NOVEL_RISK of running out once its doubt is widened by
+   NOVEL_MEMORY_SD (RISK_DONE where that split ran out of memory and never fit), and such a split at an
+   MBS over twice the largest that fit on any split (both novelties compound): `max_ooms` is spent where
+   runs showed how this trainer uses memory; a larger MBS or more recomputed layers of a layout that
+   already lost to a smaller one; a layout that crashed.
+   When nothing the screen allows could beat the best, a budgeted memory probe
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
    among those the learned memory model gives at most `probe_risk` of running out; a second probe (or
    one after an OOM) only while an OOM of `max_ooms` is left and after everything else (step 5, 7).
@@ -392,11 +393,15 @@ class HeuristicStrategy(Strategy):
                 continue
             if o.state == "failed" and o.kind not in (FailureKind.OOM, None):
                 return f"layout failed in trial {o.trial_number} ({o.kind})"
-            if o.kind == FailureKind.OOM and _rec(oc) == rec and mbs >= oc.get("mbs", 1) and \
-                    c.get("recompute_num_layers") == oc.get("recompute_num_layers") and \
-                    c.get("vit_gradient_checkpointing") == oc.get("vit_gradient_checkpointing") and \
-                    switches_at_least(c, oc):
+            if o.kind != FailureKind.OOM or mbs < oc.get("mbs", 1) or not switches_at_least(c, oc) or \
+                    c.get("vit_gradient_checkpointing") not in (oc.get("vit_gradient_checkpointing"), False):
+                continue
+            if _rec(oc) == rec and c.get("recompute_num_layers") == oc.get("recompute_num_layers"):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
+            if rec[0] in (None, "none"):
+                # no recompute holds all that any recompute frees (a probe spent the last OOM on TP1 CP2 EP8
+                # MBS 4 without recompute right after the same at MBS 4 with selective recompute ran out)
+                return f"same layout as trial {o.trial_number}, which ran out of memory, at mbs >= its without recompute"
         bad = self.judge.assess(c).oom_dominated
         if bad is not None:  # the study loop would not launch it either
             return bad
