@@ -23,7 +23,7 @@ How it chooses (each launch says which of these made it):
    teaches nothing about speed, so each counts as (1 - risk) x optimistic + risk x best, where risk is
    the probability the study's learned memory model gives it of not fitting. Never launched: what the
    memory model screens (or `fit` excludes); the same layout and recompute at an MBS at least as large
-   as one that ran out of memory, and the same layout there without recompute; after an OOM, anything
+   as one that ran out of memory, and without recompute where selective ran out; after an OOM, anything
    carrying more than `oom_risk` of running out, and after `max_ooms` OOMs, anything a run that fit does
    not prove fits (dominance.py; the study loop enforces the same cap for every strategy); for an MoE
    model, a TP / EP / expert-TP split no run that fit had, or (any model) an MBS over twice the largest
@@ -398,10 +398,15 @@ class HeuristicStrategy(Strategy):
                 continue
             if _rec(oc) == rec and c.get("recompute_num_layers") == oc.get("recompute_num_layers"):
                 return f"same layout and recompute as trial {o.trial_number}, which ran out of memory, at mbs >= its"
-            if rec[0] in (None, "none"):
-                # no recompute holds all that any recompute frees (a probe spent the last OOM on TP1 CP2 EP8
-                # MBS 4 without recompute right after the same at MBS 4 with selective recompute ran out)
-                return f"same layout as trial {o.trial_number}, which ran out of memory, at mbs >= its without recompute"
+            if rec[0] in (None, "none") and _rec(oc)[0] == "selective":
+                # no recompute holds all that selective recompute frees, and the allocator fragments alike (a
+                # probe spent the last OOM on TP1 CP2 EP8 MBS 4 without recompute right after the same at MBS
+                # 4 with selective recompute ran out). Not after full recompute ran out: it frees and
+                # re-allocates every recomputed layer's working set, and without it the same layout can fit
+                # (search.py, Llama-3-70B on 32 H100: TP4 PP4 CP2 ran out with full/block/1, the optimum is
+                # that layout without recompute)
+                return (f"same layout as trial {o.trial_number}, which ran out of memory with selective recompute, "
+                        f"at mbs >= its without recompute")
         bad = self.judge.assess(c).oom_dominated
         if bad is not None:  # the study loop would not launch it either
             return bad
