@@ -57,6 +57,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from search import (  # noqa: E402,I001
@@ -196,8 +198,13 @@ def optima(c: Case, names: list[str]) -> dict[str, Optimum]:
 
 
 def _code(f: Path) -> bytes:
-    """What a file does, not how it is explained: Python without comments and docstrings (an edit to
-    those keeps the cache), any other file as it is."""
+    """What a file does, not how it is explained: Python without comments and docstrings, a YAML config as
+    the values it sets and its `# @package` line (an edit to those comments keeps the cache), any other
+    file as it is."""
+    if f.suffix == ".yaml":
+        text = f.read_text()
+        package = [line for line in text.splitlines() if line.startswith("# @package")]
+        return json.dumps([package, yaml.safe_load(text)], sort_keys=True, default=str).encode()
     if f.suffix != ".py":
         return f.read_bytes()
     tree = ast.parse(f.read_text())
