@@ -601,26 +601,18 @@ class StagedBlackboxStrategy(Strategy):
         fit predicts it about where it measured. Of the layouts measured by one run only, more than a
         straggler's gap (record.STRAGGLER) below the best, the one that would beat the best by the most
         had a straggler slowed it (STRAGGLER_SLOWDOWN times what its lightest admitted setting could
-        reach, `_plausible`) is measured again, but for the one a promotion measures next anyway (on the
-        64-expert MoE on 64 H100, the stand-in trainer with noise, the re-check went to the layout the
-        promotion then measured at a lighter setting: 0.925 -> 0.756). Robustness.py's stand-in 128-expert MoE with noise: TP1 PP2
+        reach, `_plausible`) is measured again. Robustness.py's stand-in 128-expert MoE with noise: TP1 PP2
         EP8 measured 129 in stage 1 (a straggler, 186 without), the fit put it at 134-140, and the study
         ended on TP1 PP4 EP4, 0.754 of the optimum, TP1 PP2 EP8 interleaved without recompute."""
         top = self.rate(float(best.value))  # type: ignore[arg-type]
         runs = Counter(_layout(self.space, o.candidate) for o in self.history if o.usable)
-        plausible = {}  # layout -> what its lightest admitted setting could reach
-        for lay, o in self._best.items():
-            light, _ = self._lighter(o, tried)
-            plausible[lay] = self._plausible(o, light if light is not None else o.candidate)
-        # the layout a promotion measures next (the highest plausible, if it beats the best) runs again anyway
-        promoted = max(plausible, key=lambda lay: plausible[lay], default=None)
         found: tuple[float, Outcome] | None = None
         for lay, o in self._best.items():
             measured = self.rate(float(o.value))  # type: ignore[arg-type]
-            if runs[lay] != 1 or measured >= top * (1 - STRAGGLER) or \
-                    (lay == promoted and plausible[lay] > top * (1 + self.min_gain)):
+            if runs[lay] != 1 or measured >= top * (1 - STRAGGLER):
                 continue
-            could = STRAGGLER_SLOWDOWN * plausible[lay]
+            light, _ = self._lighter(o, tried)
+            could = STRAGGLER_SLOWDOWN * self._plausible(o, light if light is not None else o.candidate)
             if could > top * (1 + self.min_gain) and (found is None or could > found[0]):
                 found = (could, o)
         if found is None:
