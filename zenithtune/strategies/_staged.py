@@ -29,10 +29,6 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    measured again: stage 1 measures each layout once, and a straggler's run (1.5x slower on a busy
    cluster) would lose its layout and the layouts next to it for good. At most `rechecks` per study,
    none after a re-run agreed with its first run (the fit's miss was then the trainer's, not noise).
-   Where none is so, once per study (within `rechecks`), on a straggler's chance alone: the layout
-   measured by one run, more than a straggler's gap below the best, that would beat the best by the most
-   had a straggler slowed it STRAGGLER_SLOWDOWN-fold (`_lift`: the fit predicts a layout sharing no
-   values with the others where it measured, straggler or not).
 1. Promotion: a layout measured under recompute it may not need is judged by its best plausible
    setting, not by the safe one. Its plausible value is the measured one times the work the
    recompute cost (MEGATRON.md: ~4/3 per fully recomputed layer) over the work of the lightest
