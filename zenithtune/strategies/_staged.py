@@ -89,9 +89,6 @@ LAYOUT_STAGE = "layout"
 SETTINGS_STAGE = "settings"
 LAYOUT_STEP_WHY = "stage 2, layout next to the best"
 RECHECK_STAGE = "recheck"  # a run measured again: the others say a straggler slowed it (`_recheck`)
-LIFT_WHY = "stage 2, re-check of a layout's one run"  # a re-check on a straggler's chance alone (`_lift`)
-# How much slower a straggler's run may be: a busy node or link (issue 19's noise model: 1.5x).
-STRAGGLER_SLOWDOWN = 1.5
 EFFECT_SHRINK = 0.25  # the ridge penalty on each layout dimension value's effect (`_effects`)
 SAFE_SHARE = 0.9  # stage 1's settings must be predicted to use at most this share of GPU memory
 # Recompute from cheapest to most memory-saving; stage 1 takes the first that fits.
@@ -543,7 +540,7 @@ class StagedBlackboxStrategy(Strategy):
                                  math.log(self.rate(float(o.value)) * self._work(o.candidate)), o))  # type: ignore[arg-type]
         return rows
 
-    def _recheck(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
+    def _recheck(self, best: Outcome) -> Proposal | None:
         """Step 0 (issue 19 1d, a result far from its prediction is measured again before it steers the
         search): stage 1 measures each layout once, and a run a straggler slowed (1.5x on a busy cluster)
         loses its layout for good, and with it the layouts next to it, which the steps judge by it. A run
@@ -558,11 +555,9 @@ class StagedBlackboxStrategy(Strategy):
         if self.rechecks <= 0:
             return None
         again = [o for o in self.history if o.stage == RECHECK_STAGE and o.usable]
-        lifted = [o for o in again if (o.why or "").startswith(LIFT_WHY)]
-        if len(again) >= self.rechecks:
+        if len(again) >= self.rechecks or any(len(unslowed(self.measurements(o.candidate), self.direction)) > 1
+                                              for o in again):
             return None
-        if any(len(unslowed(self.measurements(o.candidate), self.direction)) > 1 for o in again if o not in lifted):
-            return None if lifted else self._lift(best, tried)
         rows = self._rows()
         runs = Counter(self.space.key(o.candidate) for o in self.history if o.ok)
         top = self.rate(float(best.value))  # type: ignore[arg-type]
@@ -582,7 +577,7 @@ class StagedBlackboxStrategy(Strategy):
             if rate > top and measured < top * (1 - STRAGGLER) and (found is None or rate > found[0]):
                 found = (rate, o)
         if found is None:
-            return None if lifted else self._lift(best, tried)
+            return None
         rate, o = found
         desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, o.candidate))
         return Proposal(dict(o.candidate), repeat=True, stage=RECHECK_STAGE,
@@ -590,35 +585,6 @@ class StagedBlackboxStrategy(Strategy):
                             f"the other runs predict {self.rate(rate):.4g} for it, above the best ({best.value:.4g}) "
                             f"and beyond a straggler's {100 * STRAGGLER:.0f} %: measured again before it steers "
                             f"the search")
-
-    def _lift(self, best: Outcome, tried: set[tuple]) -> Proposal | None:
-        """Step 0 on a straggler's chance alone, once per study (within `rechecks`): the other runs cannot
-        tell a straggler's run from its layout's speed when no other run shares its values, so the effects
-        fit predicts it about where it measured. Of the layouts measured by one run only, more than a
-        straggler's gap (record.STRAGGLER) below the best, the one that would beat the best by the most
-        had a straggler slowed it (STRAGGLER_SLOWDOWN times what its lightest admitted setting could
-        reach, `_plausible`) is measured again. Robustness.py's stand-in 128-expert MoE with noise: TP1 PP2
-        EP8 measured 129 in stage 1 (a straggler, 186 without), the fit put it at 134-140, and the study
-        ended on TP1 PP4 EP4, 0.754 of the optimum, TP1 PP2 EP8 interleaved without recompute."""
-        top = self.rate(float(best.value))  # type: ignore[arg-type]
-        runs = Counter(_layout(self.space, o.candidate) for o in self.history if o.usable)
-        found: tuple[float, Outcome] | None = None
-        for lay, o in self._best.items():
-            measured = self.rate(float(o.value))  # type: ignore[arg-type]
-            if runs[lay] != 1 or measured >= top * (1 - STRAGGLER):
-                continue
-            light, _ = self._lighter(o, tried)
-            could = STRAGGLER_SLOWDOWN * self._plausible(o, light if light is not None else o.candidate)
-            if could > top * (1 + self.min_gain) and (found is None or could > found[0]):
-                found = (could, o)
-        if found is None:
-            return None
-        could, o = found
-        desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, o.candidate))
-        return Proposal(dict(o.candidate), repeat=True, stage=RECHECK_STAGE,
-                        why=f"{LIFT_WHY}: layout {desc} measured {o.value:.4g} by one run (trial {o.trial_number}); "
-                            f"had a straggler slowed it {STRAGGLER_SLOWDOWN:g}x, it could reach {self.rate(could):.4g}, "
-                            f"the most above the best ({best.value:.4g}) of the layouts measured once: measured again")
 
     def _layout_step(self, best: Outcome) -> Proposal | None:
         """Step 4: an unmeasured layout next to the best one (`_adjacent`: the nearest first), or next to a
@@ -725,7 +691,7 @@ class StagedBlackboxStrategy(Strategy):
         if best is not None:
             tried = self.tried_keys(pending)
             rate = self.rate(float(best.value))  # type: ignore[arg-type]
-            step = self._recheck(best, tried) or self._promotion(rate, tried) or self._neighbour(best, tried) or \
+            step = self._recheck(best) or self._promotion(rate, tried) or self._neighbour(best, tried) or \
                 self._layout_step(best)
             if step is not None:
                 return step
