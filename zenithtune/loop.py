@@ -55,6 +55,11 @@ NOISY_CONFIRM_RUNS = 4
 NOISE = 0.03
 
 
+def confirm_window(n_trials: int) -> int:
+    """The budget's last launches the loop may spend confirming the best (CONFIRM_AT_END, CONFIRM_SHARE)."""
+    return max(2, min(CONFIRM_AT_END, n_trials // CONFIRM_SHARE))
+
+
 @dataclass
 class Pending:
     """A screened, claimed candidate about to be launched in this wave."""
@@ -191,8 +196,9 @@ class StudyLoop:
                 if self.retries:
                     proposal, retry_of = self.retries.pop(0)
                 else:
-                    proposal = self._confirmation(n_trials - used - len(wave), n_trials, wave) or \
-                        strategy.ask([p.cand for p in wave])
+                    left = n_trials - used - len(wave)
+                    strategy.free_launches = left - confirm_window(n_trials)
+                    proposal = self._confirmation(left, n_trials, wave) or strategy.ask([p.cand for p in wave])
                 if proposal is None:
                     exhausted = True
                     break
@@ -262,7 +268,7 @@ class StudyLoop:
         itself (`Strategy.confirms_best`, the heuristic) does so when it stops on its own, not when the
         budget runs out under it; for it the loop steps in once three repeated candidates showed noise
         beyond NOISE / 4."""
-        if left > max(2, min(CONFIRM_AT_END, n_trials // CONFIRM_SHARE)):
+        if left > confirm_window(n_trials):
             return None
         direction = self.job.evaluator.direction
         runs: dict[tuple, list[Outcome]] = {}

@@ -88,6 +88,9 @@ class Strategy(ABC):
     # it stops on its own; the study loop's last launches (loop.CONFIRM_AT_END) do it for the others, and
     # for it only where the budget runs out under it on a trainer whose repeats showed noise.
     confirms_best: bool = False
+    # Launches the budget has left before the study loop's confirmations at its end (loop.CONFIRM_AT_END),
+    # set by the loop before each ask; None where no loop runs the strategy (its own tests, a replay).
+    free_launches: int | None = None
     judge: Judge
     space: Space
     ctx: Context
