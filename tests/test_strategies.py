@@ -1477,7 +1477,8 @@ def test_with_one_oom_left_a_launch_above_risk_done_waits_for_the_bests_tests(ri
 
 def test_the_last_launch_before_the_budgets_confirmations_does_not_wait_for_the_bests_tests():
     # The last OOM is kept for the launches that may follow it; at the budget's last launch before the study
-    # loop's confirmations none does, so a launch held back for the best's tests goes (the stand-in Qwen3 with
+    # loop's confirmations none does, so a launch held back for the best's tests, or staked behind a safer one,
+    # goes (the stand-in Qwen3 with
     # noise, seed 1: TP1 PP2 VP6 EP8 at selective recompute, next to the optimum, held at a 47 % risk, waited
     # behind tests until the confirmations took the last six launches, 0.881; launched there, 0.988).
     job = make_job("heuristic")
@@ -1493,6 +1494,17 @@ def test_the_last_launch_before_the_budgets_confirmations_does_not_wait_for_the_
     assert held is not None and held.why.startswith("test, don't assume"), held
     s.free_launches = 1
     assert s._before_last_oom(cand, best, s.tried_keys(()), reps) is None
+    # nor is a launch over last_oom_risk staked behind safer ones there: it goes, and says why
+    s._risk = lambda c: (0.26, None)
+    s._stake = lambda c, fits, mem, risk, gain: (fits, mem)  # every launch predicted to gain enough to stake
+    s.free_launches = 10
+    staked = s.ask()
+    assert staked is not None and "so the last OOM max_ooms=2 allows is staked (26 %)" in staked.why, staked
+    s.free_launches = 1
+    last = s.ask()
+    assert last is not None and last.fixed == staked.fixed and last.why.endswith(
+        "the budget's last launch before its confirmations: nothing follows that the last OOM max_ooms=2 allows "
+        "could be kept for, so it is staked (26 %)"), last
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -56,7 +56,7 @@ How it chooses (each launch says which of these made it):
    than `last_oom_risk`, when the next launch could spend the last OOM `max_ooms` allows at more than
    RISK_DONE: after it, only proven fits run, and a neighbour no run that fit proves is out of reach;
    but not at the budget's last launch before the study loop's confirmations (`free_launches`), where
-   nothing follows that the last OOM could be kept for. A
+   nothing follows that the last OOM could be kept for (nor is a launch staked there behind a safer one). A
    launch that could spend that last OOM at more than `last_oom_risk` must also be predicted to beat
    the best by `probe_gain`, as a memory probe must: an optimistic bound alone does not stake it; it waits
    while any launch carrying at most `last_oom_risk` could still beat the best; and with one OOM left the
@@ -529,6 +529,13 @@ class HeuristicStrategy(Strategy):
                     first = self._before_last_oom(cand, best, tried, reps)
                     if first is not None:
                         return first
+                if self._one_oom_left() and r > self.last_oom_risk and self._last_free_launch():
+                    # nothing follows that the last OOM could be kept for: not staked behind a safer launch
+                    # (nor behind the safe side's variant), it goes now
+                    self._remember(fc, int(j))
+                    return Proposal(dict(cand), why=f"{why}; {mem}; the budget's last launch before its "
+                                    f"confirmations: nothing follows that the last OOM max_ooms={self.max_ooms} "
+                                    f"allows could be kept for, so it is staked ({100 * r:.0f} %)")
                 if self._one_oom_left() and r > self.last_oom_risk:
                     # The last OOM max_ooms allows is staked only when no launch that carries at most
                     # last_oom_risk could beat the best: after it, only proven fits run.
@@ -891,12 +898,14 @@ class HeuristicStrategy(Strategy):
 
     def _last_free_launch(self) -> bool:
         """Is this the budget's last launch before the study loop's confirmations (`free_launches`)? The last
-        OOM `max_ooms` allows is kept for the launches that may follow it; here none does, so a launch
-        `_before_last_oom` held back for the best's tests goes now. robustness.py, the stand-in 128-expert
-        MoE with noise, seed 1: TP1 PP2 VP6 EP8 with selective recompute (layernorm, moe_act), held at a
-        47 % risk (the optimum is that layout without recompute, 0.3 GB under the cap), waited behind the
-        best's tests until the budget's confirmations took its last six launches: 0.881; launched at the
-        last free launch, it measured 249 and the study ended at 0.988."""
+        OOM `max_ooms` allows is kept for the launches that may follow it; here none does, so a launch held
+        back for it (behind the best's tests, `_before_last_oom`; staked behind a safer launch or the safe
+        side's variant, `_walk`) goes now. robustness.py, the stand-in 128-expert MoE with noise, seed 1:
+        TP1 PP2 VP6 EP8 with selective recompute (layernorm, moe_act), at a 47 % risk (the optimum is that
+        layout without recompute, 0.3 GB under the cap), waited behind the best's tests and then safer
+        launches until the budget's confirmations took its last six launches: 0.881; launched at the last
+        free launch, it measured 249 and the study ended at 0.988 (with only the tests' wait lifted, a safer
+        launch went instead: 0.900)."""
         return self.free_launches is not None and self.free_launches <= 1
 
     def _stake(self, cand: dict, fits: bool, mem: str, risk: float, gain: float) -> tuple[bool, str]:
