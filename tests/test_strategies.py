@@ -1478,9 +1478,9 @@ def test_with_one_oom_left_a_launch_above_risk_done_waits_for_the_bests_tests(ri
 def test_the_last_launch_before_the_budgets_confirmations_does_not_wait_for_the_bests_tests():
     # The last OOM is kept for the launches that may follow it; at the budget's last launch before the study
     # loop's confirmations none does, so a launch held back for the best's tests, or staked behind a safer one,
-    # goes (the stand-in Qwen3 with
-    # noise, seed 1: TP1 PP2 VP6 EP8 at selective recompute, next to the optimum, held at a 47 % risk, waited
-    # behind tests until the confirmations took the last six launches, 0.881; launched there, 0.988).
+    # goes (the stand-in Qwen3 with noise, seed 1: TP1 PP2 VP6 EP8 at selective recompute, next to the optimum,
+    # at a 47 % risk, waited behind tests and safer launches until the confirmations took the last six launches,
+    # 0.881; launched there, 0.988).
     job = make_job("heuristic")
     study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
     s = job.strategy
