@@ -525,17 +525,9 @@ class HeuristicStrategy(Strategy):
                                       f"was left: nothing is, so the last OOM max_ooms={self.max_ooms} allows is "
                                       f"risked ({100 * r:.0f} %) on the one with the best expected outcome"), int(j))
             if fits:
-                if staked is None:
-                    first = self._before_last_oom(cand, best, tried, reps)
-                    if first is not None:
-                        return first
-                if self._one_oom_left() and r > self.last_oom_risk and self._last_free_launch():
-                    # nothing follows that the last OOM could be kept for: not staked behind a safer launch
-                    # (nor behind the safe side's variant), it goes now
-                    self._remember(fc, int(j))
-                    return Proposal(dict(cand), why=f"{why}; {mem}; the budget's last launch before its "
-                                    f"confirmations: nothing follows that the last OOM max_ooms={self.max_ooms} "
-                                    f"allows could be kept for, so it is staked ({100 * r:.0f} %)")
+                now = self._before_staking(cand, r, int(j), fc, (best, tried, reps), staked is None, f"{why}; {mem}")
+                if now is not None:
+                    return now
                 if self._one_oom_left() and r > self.last_oom_risk:
                     # The last OOM max_ooms allows is staked only when no launch that carries at most
                     # last_oom_risk could beat the best: after it, only proven fits run.
@@ -895,6 +887,24 @@ class HeuristicStrategy(Strategy):
             return None
         return replace(test, why=f"{test.why}; first, before the last OOM max_ooms={self.max_ooms} allows is risked "
                                  f"({100 * risk:.0f} %) on {_at(cand)} {_rec_desc(cand)}")
+
+    def _before_staking(self, cand: dict, r: float, j: int, fc: _Forecast,
+                        state: tuple[Outcome, set[tuple], dict[tuple, Outcome]], first: bool,
+                        why: str) -> Proposal | None:
+        """What goes before `cand`, a launch the screen admits at risk `r`, is launched or staked: for the walk's
+        first such launch, the best's tests it waits for (`_before_last_oom`); at the budget's last free launch
+        with one OOM left, `cand` itself when it is over `last_oom_risk`, not staked behind a safer launch (nor
+        the safe side's variant): nothing follows that the last OOM could be kept for (`_last_free_launch`)."""
+        if first:
+            test = self._before_last_oom(cand, *state)
+            if test is not None:
+                return test
+        if self._one_oom_left() and r > self.last_oom_risk and self._last_free_launch():
+            self._remember(fc, j)
+            return Proposal(dict(cand), why=f"{why}; the budget's last launch before its confirmations: nothing "
+                            f"follows that the last OOM max_ooms={self.max_ooms} allows could be kept for, so it is "
+                            f"staked ({100 * r:.0f} %)")
+        return None
 
     def _last_free_launch(self) -> bool:
         """Is this the budget's last launch before the study loop's confirmations (`free_launches`)? The last
