@@ -1347,6 +1347,7 @@ def test_the_last_oom_is_staked_only_when_nothing_safer_could_beat_the_best(last
     study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
     s = job.strategy
     assert s._ooms() == 1
+    s.free_launches = 20  # mid-budget (the 4-launch study ended at its last)
     s._risk = lambda c: (0.4 if c["mbs"] == 1 else 0.0, None)
     runs, pending = [], []
     while len(pending) < 12 and (p := s.ask(pending)) is not None:
@@ -1406,6 +1407,7 @@ def test_a_staked_last_oom_still_approaches_the_memory_edge_from_the_safe_side()
     study(job, 4, oom_if=lambda c: c["mbs"] >= 4)
     s = job.strategy
     assert s._ooms() == 1
+    s.free_launches = 20  # mid-budget (the 4-launch study ended at its last)
     s._risk = lambda c: (0.3 - 0.005 * (c.get("recompute_num_layers") or 0), None)
     forecast = s._forecast
     s._forecast = lambda *a: dataclasses.replace(fc := forecast(*a), pred=fc.pred * 1.1, ucb=fc.ucb * 1.1)
