@@ -35,7 +35,10 @@ How it chooses (each launch says which of these made it):
    When nothing the screen allows could beat the best, a budgeted memory probe
    (`memory_probes`) may go past the screen: the candidate with the largest expected gain per risk,
    among those the learned memory model gives at most `probe_risk` of running out; a second probe (or
-   one after an OOM) only while an OOM of `max_ooms` is left and after everything else (step 5, 7).
+   one after an OOM) only while an OOM of `max_ooms` is left and after everything else (step 5, 7), and
+   it is the candidate most likely to fit and beat the best by `min_gain` (below), where one has the
+   chance the stop rule asks: the OOM it may spend is the study's last chance to reach a split no run
+   that fit proves, so the launch most likely to open one goes, not the largest gain per risk.
    Last, before the study confirms near ties or stops with none of `max_ooms` spent, a screened
    candidate hopeful only through its uncertainty (predicted below the probe's `probe_gain`) is
    probed too, within the same `probe_reach`, `probe_risk` and `memory_probes`: the one most likely
@@ -584,22 +587,24 @@ class HeuristicStrategy(Strategy):
     def _chance_probe(self, found: tuple[float, Proposal] | None, cand: dict, r: float, fc: _Forecast, j: int,
                       target: float, why: str) -> tuple[float, Proposal] | None:
         """A screened candidate hopeful only through its uncertainty, as the probe before stopping (one within
-        `probe_risk` and `probe_reach`): with none of `max_ooms` spent, its chance to fit and beat the best by
-        `min_gain` ((1 - r) x the chance its prediction gives), where that is at least what the stop rule asks
-        of a launchable candidate (`_chance`): that chance and the probe if it beats `found` (the best so far of
-        the forecast `fc`'s candidates), else `found`. robustness.py, Mixtral on the speed trainer with noise:
-        stopped after 9 of 50 launches, no OOM spent, the screen hiding 2288 hopeful candidates (0.963);
-        without the chance floor search.py's Llama-3-8B spent an OOM on a 12 % fit."""
-        if self._ooms():
+        `probe_risk` and `probe_reach`), or the probe that may spend the last OOM: while an OOM of `max_ooms` is
+        left, its chance to fit and beat the best by `min_gain` ((1 - r) x the chance its prediction gives),
+        where that is at least what the stop rule asks of a launchable candidate (`_chance`): that chance and
+        the probe if it beats `found` (the best so far of the forecast `fc`'s candidates), else `found`.
+        robustness.py, Mixtral on the speed trainer with noise: stopped after 9 of 50 launches, no OOM spent,
+        the screen hiding 2288 hopeful candidates (0.963); without the chance floor search.py's Llama-3-8B
+        spent an OOM on a 12 % fit."""
+        spent = self._ooms()
+        if spent >= self.max_ooms:
             return found
         bar = target * (1 + self.min_gain)
         worth = (1 - r) * chance_above(math.log(bar / max(float(fc.pred[j]), 1e-9)) / max(float(fc.sd[j]), 1e-9))
         if worth < self._chance() or (found is not None and worth <= found[0]):
             return found
         return worth, Proposal(dict(cand), probe_memory=True, why=(
-            f"memory probe before stopping: {why}; {100 * r:.0f} % risk of running out of memory; with none of "
-            f"max_ooms={self.max_ooms} spent, the candidate hidden only by the memory estimate most likely to fit "
-            f"and beat the best"))
+            f"memory probe before stopping: {why}; {100 * r:.0f} % risk of running out of memory; with "
+            f"{spent or 'none'} of max_ooms={self.max_ooms} spent, the candidate hidden only by the memory estimate "
+            f"most likely to fit and beat the best"))
 
     def _remember(self, fc: _Forecast, j: int) -> None:
         """What a launch was predicted at, for `_surprise` and the missed-prediction count once it ran."""
@@ -623,9 +628,17 @@ class HeuristicStrategy(Strategy):
         the long shot held for the last OOM. A second probe, or one after an OOM, comes last: it may spend
         the last OOM `max_ooms` allows, after which only proven fits run, so it goes only where nothing else
         is left to learn and the learned model still predicts a gain past the screen (a first probe that ran
-        out on one split leaves the others untried). After all of them, with no OOM spent, the probe of a
-        candidate hopeful only through its uncertainty (`chance_probe`)."""
-        early, late = (None, probe) if self._ooms() or any(o.probe for o in self.history) else (probe, None)
+        out on one split leaves the others untried); it is the candidate most likely to fit and beat the best
+        (`chance_probe`), where one has the chance the stop rule asks, else the one of largest expected gain
+        per risk. After all of them, with no OOM spent, the probe of a candidate hopeful only through its
+        uncertainty (`chance_probe`). (robustness.py, Mixtral on the plain trainer with noise, seed 1: with one
+        OOM left, the probe of largest gain per risk, TP1 PP4 CP2 at an 80 % risk, ran out; the study then
+        could launch only proven fits, all on the TP2 splits it had measured, and stopped at 0.901. The one
+        most likely to fit and beat the best, TP4 PP1 CP2 EP8, opened the optimum's split: 0.992.)"""
+        if self._ooms() or any(o.probe for o in self.history):
+            early, late, chance_probe = None, chance_probe or probe, None
+        else:
+            early, late = probe, None
         tests = self._bests_tests(best, tried, reps, self.last_oom_risk if self._one_oom_left() else 1.0)
         return tests or early or self._unmeasured_layout(tried, reps) or long_shot or late or chance_probe
 
