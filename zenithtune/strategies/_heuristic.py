@@ -39,12 +39,13 @@ How it chooses (each launch says which of these made it):
    it is the candidate most likely to fit and beat the best by `min_gain` (below), where one has the
    chance the stop rule asks: the OOM it may spend is the study's last chance to reach a split no run
    that fit proves, so the launch most likely to open one goes, not the largest gain per risk.
-   Last, before the study confirms near ties or stops with none of `max_ooms` spent, a screened
+   Last, before the study confirms near ties or stops while an OOM of `max_ooms` is left, a screened
    candidate hopeful only through its uncertainty (predicted below the probe's `probe_gain`) is
    probed too, within the same `probe_reach`, `probe_risk` and `memory_probes`: the one most likely
    to fit and beat the best by `min_gain` ((1 - risk) x that chance), where that is at least the
-   chance the stop rule asks of a launchable candidate (16 % at `kappa` 1). An OOM there leaves one of
-   `max_ooms`; a run that fits teaches the memory model the edge, and the speed model a layout.
+   chance the stop rule asks of a launchable candidate (16 % at `kappa` 1). With none spent, an OOM
+   there leaves one of `max_ooms`; a run that fits teaches the memory model the edge, and the speed
+   model a layout.
 5. Test, don't assume: before stopping, the best layout is measured with full recompute if it won
    without it, and without if it won with it, since some trainers make full the faster; at twice and
    half the best's MBS where no run on that layout had it (`test_mbs`: the MBS gain and its activation
