@@ -595,9 +595,7 @@ class HeuristicStrategy(Strategy):
         robustness.py, Mixtral on the speed trainer with noise: stopped after 9 of 50 launches, no OOM spent,
         the screen hiding 2288 hopeful candidates (0.963); without the chance floor search.py's Llama-3-8B
         spent an OOM on a 12 % fit."""
-        spent = self._ooms()
-        if spent >= self.max_ooms:
-            return found
+        spent = self._ooms()  # below max_ooms: `_probe_ok` admitted the candidate
         bar = target * (1 + self.min_gain)
         worth = (1 - r) * chance_above(math.log(bar / max(float(fc.pred[j]), 1e-9)) / max(float(fc.sd[j]), 1e-9))
         if worth < self._chance() or (found is not None and worth <= found[0]):
@@ -636,12 +634,10 @@ class HeuristicStrategy(Strategy):
         OOM left, the probe of largest gain per risk, TP1 PP4 CP2 at an 80 % risk, ran out; the study then
         could launch only proven fits, all on the TP2 splits it had measured, and stopped at 0.901. The one
         most likely to fit and beat the best, TP4 PP1 CP2 EP8, opened the optimum's split: 0.992.)"""
-        if self._ooms() or any(o.probe for o in self.history):
-            early, late, chance_probe = None, chance_probe or probe, None
-        else:
-            early, late = probe, None
         tests = self._bests_tests(best, tried, reps, self.last_oom_risk if self._one_oom_left() else 1.0)
-        return tests or early or self._unmeasured_layout(tried, reps) or long_shot or late or chance_probe
+        if self._ooms() or any(o.probe for o in self.history):  # this probe may spend the last OOM
+            return tests or self._unmeasured_layout(tried, reps) or long_shot or chance_probe or probe
+        return tests or probe or self._unmeasured_layout(tried, reps) or long_shot or chance_probe
 
     def _novelty(self, at: np.ndarray, reps: dict[tuple, Outcome]) -> np.ndarray:
         """Per candidate, sqrt(share of its parallel sizes, alone and in pairs, that no measured run has)."""
