@@ -75,7 +75,8 @@ How it chooses (each launch says which of these made it):
    straggler slowed (`record.central`: those above the widest gap beyond 10 %). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
-   predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, two
+   predicted to beat it, one that ends an MBS ladder by coming back slower than the smaller MBS, one
+   without recompute slower than the same with recompute (or the reverse: recompute only adds work), two
    measurements that disagree (a third decides), leaving CONFIRM_RESERVE of `repeats` to what follows;
    and before stopping, a best that ran once, and every
    candidate the noise cannot yet tell from the best (within two standard errors of the difference of
