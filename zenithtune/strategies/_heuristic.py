@@ -793,10 +793,9 @@ class HeuristicStrategy(Strategy):
         forward work and nothing else, so such a result is the noise's until a repeat says otherwise
         (selective and full recompute are not ranked: full recompute of a few layers can be less work than
         selective recompute of every layer). Only where it steers: the faster of the two is within 5 % of
-        the best. (robustness.py, GQA-13B on 8 A100 with the speed trainer and
-        noise, seed 2: TP1 PP4 CP2 without recompute came back 6 % below the same with core attention
-        recomputed, the reverse of the truth's 3 %; the study never measured the optimum, TP1 PP2 CP2
-        without recompute, and ended at 0.930.)"""
+        the best. (robustness.py, GQA-13B on 8 A100 with the speed trainer and noise, seed 2: TP1 PP4 CP2
+        without recompute came back 6 % below the same with core attention recomputed, the reverse of the
+        truth's 3 %; the study never measured the optimum, TP1 PP2 CP2 without recompute: 0.930.)"""
         c, speed = o.candidate, self._speed(o)
         lost: list[tuple[float, str]] = []
         for kk, r in reps.items():
