@@ -26,7 +26,8 @@ How it chooses (each launch says which of these made it):
    as one that ran out of memory, and without recompute where selective ran out; after an OOM, anything
    carrying more than `oom_risk` of running out, and after `max_ooms` OOMs, anything a run that fit does
    not prove fits (dominance.py; the study loop enforces the same cap for every strategy); for an MoE
-   model, a TP / EP / expert-TP split no run that fit had, or (any model) an MBS over twice the largest
+   model, a TP / EP / expert-TP split no run that fit had (a dense model's TP too, once it ran out of
+   memory there before any run fit on it), or (any model) an MBS over twice the largest
    that fit on its split, carrying more than NOVEL_RISK of running out once its doubt is widened by
    NOVEL_MEMORY_SD (RISK_DONE where that split ran out of memory and never fit), and such a split at an
    MBS over twice the largest that fit on any split (both novelties compound): `max_ooms` is spent where
@@ -140,11 +141,12 @@ NEIGHBOUR_WHY = "test, don't assume: a neighbour"
 
 # Memory on ground no run that fit has covered -- an MoE model's TP / EP / expert-TP split none of them had
 # (where trainers differ by whole factors: expert activations divided by expert TP rather than TP under MoE
-# parallel folding) or an MBS more than twice the largest that fit on its split (buffers per extra
-# sample) -- is uncertain beyond what the learned model knows: its prediction is taken to be off by
-# NOVEL_MEMORY_SD (log, 1 sd: x1.35) on top of the model's own sd, and such a launch may carry at most
-# NOVEL_RISK of running out of memory. The `max_ooms` budget is spent where runs have shown how this
-# trainer uses memory, not on the first guesses about a layout nothing measured.
+# parallel folding), a dense model's TP that ran out of memory before any run fit on it, or an MBS more
+# than twice the largest that fit on its split (buffers per extra sample) -- is uncertain beyond what the
+# learned model knows: its prediction is taken to be off by NOVEL_MEMORY_SD (log, 1 sd: x1.35) on top of
+# the model's own sd, and such a launch may carry at most NOVEL_RISK of running out of memory. The
+# `max_ooms` budget is spent where runs have shown how this trainer uses memory, not on the first guesses
+# about a layout nothing measured.
 NOVEL_MEMORY_SD = 0.3
 NOVEL_RISK = 0.25
 
@@ -323,9 +325,10 @@ class HeuristicStrategy(Strategy):
         if not self._covered:
             return None
         top = self._covered.get(_split(c))
-        if top is None and not self.ctx.model.num_experts:
+        if top is None and not self.ctx.model.num_experts and _split(c) not in self._split_ooms:
             # a dense model's memory splits by TP as the estimate says (weights / tp, activations / tp
-            # with sequence parallelism); only the MBS is new ground
+            # with sequence parallelism); only the MBS is new ground -- until a TP that never fit ran out
+            # of memory, which shows the law other than the estimate's there
             top = max(self._covered.values())
         if top is None:
             oom = self._split_ooms.get(_split(c))
