@@ -1726,3 +1726,33 @@ def test_heuristic_measures_a_new_moe_split_at_a_small_mbs_first():
     new = _new_splits(launched(loop))
     assert new  # the rule had launches to govern
     assert all(c["mbs"] <= 2 * top for c, top in new), new
+
+
+GQA_13B = ["--num-layers=40", "--hidden-size=5120", "--ffn-hidden-size=13824", "--num-attention-heads=40",
+           "--group-query-attention", "--num-query-groups=8", "--vocab-size=32000", "--swiglu", "--disable-bias-linear",
+           "--untie-embeddings-and-output-weights", "--position-embedding-type=rope", "--seq-length=4096",
+           "--max-position-embeddings=4096"]
+
+
+def test_heuristic_doubts_a_dense_tp_that_ran_out_of_memory_before_any_run_fit_on_it():
+    # benchmarks/robustness.py, GQA-13B on 8 A100 at +20 % memory, stand-in trainer (noise off: 0.978; seeds
+    # 0-2: 0.976, 0.970, 0.977): after one TP2 run, TP1 PP2 CP4 ran out of memory at 71 of 79 GB predicted,
+    # and the next launch was TP1 again, at MBS 2 (73 GB): the 2nd OOM spent max_ooms, nothing proved a TP1
+    # layout fits, and the optimum, TP1 PP4 VP5 CP2, was never measured. A dense model's memory was taken to
+    # split by TP as the estimate says; an OOM on a TP no run fit on shows otherwise there, so until a run
+    # fits on it, a launch there carries the widened doubt and at most RISK_DONE, as a new MoE split does.
+    job = make_job("heuristic", n_gpus=8, gbs=64, gpu="a100-80g", switches=True, shape=GQA_13B,
+                   sim=("--sim-flavour=more_memory=1.2,stand_in",))
+    loop, _ = study(job, 8)
+    runs = launched(loop)
+    fit_tps: set[int] = set()
+    doubted = None  # a TP that ran out of memory before any run fit on it
+    for o in runs:
+        tp = o.candidate["tp"]
+        if o.kind == "oom" and tp not in fit_tps:
+            assert doubted != tp, [(r.candidate, r.kind) for r in runs]  # no 2nd OOM there before one fit
+            doubted = tp
+        if o.ok:
+            fit_tps.add(tp)
+    assert doubted is not None  # the rule had an OOM to act on
+    assert doubted in fit_tps  # ... and the TP it doubted was measured, from the safe side
