@@ -393,7 +393,7 @@ def best_of(outcomes: list[Outcome], direction: str, *, pool_recompute: bool = F
     if pool_recompute:
         medians = _recompute_pooled(values, medians, direction)
         # on a tie (pooled), the candidate without recompute
-        key = max(groups, key=lambda k: (sign * medians[k], _no_recompute(groups[k][0].candidate)))
+        key = max(groups, key=lambda k: (sign * medians[k], no_recompute(groups[k][0].candidate)))
     else:
         key = max(groups, key=lambda k: sign * medians[k])
     group, median = groups[key], medians[key]
@@ -403,7 +403,8 @@ def best_of(outcomes: list[Outcome], direction: str, *, pool_recompute: bool = F
     return replace(nearest, value=median)
 
 
-def _no_recompute(cand: dict) -> bool:
+def no_recompute(cand: dict) -> bool:
+    """Does the candidate run without activation recompute?"""
     return (cand.get("recompute_granularity") or "none") == "none"
 
 
@@ -426,7 +427,7 @@ def _recompute_pooled(values: dict[str, list[float]], scores: dict[str, float], 
     twin = {k: json.dumps({n: v for n, v in c.items() if n not in _RECOMPUTE_KEYS}, sort_keys=True)
             for k, c in cands.items()}
     for a, ca in cands.items():
-        if not _no_recompute(ca):
+        if not no_recompute(ca):
             continue
         for b in cands:
             if b == a or twin[b] != twin[a] or sign * scores[b] <= sign * scores[a]:

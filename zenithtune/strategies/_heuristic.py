@@ -103,7 +103,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import central, chance_above, gap_in_se, measured_noise, noise_sd
+from zenithtune.record import central, chance_above, gap_in_se, measured_noise, no_recompute, noise_sd
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -172,10 +172,6 @@ def _sizes(c: dict) -> tuple:
 def _split(c: dict) -> tuple:
     """How a candidate splits the model's tensors: TP, EP, expert TP (memory laws differ most here)."""
     return c.get("tp"), c.get("ep"), c.get("etp")
-
-
-def _no_recompute(c: dict) -> bool:
-    return (c.get("recompute_granularity") or "none") == "none"
 
 
 def _rec(c: dict) -> tuple:
@@ -808,7 +804,7 @@ class HeuristicStrategy(Strategy):
             if self._ladder(rc) == self._ladder(c) and rc.get("mbs", 1) < c.get("mbs", 1) and rs > speed:
                 lost.append((rs, f"mbs {c.get('mbs')} (trial {o.trial_number}) came back slower than mbs "
                                  f"{rc.get('mbs')} (trial {r.trial_number}), which ends its ladder"))
-            none, rnone = _no_recompute(c), _no_recompute(rc)
+            none, rnone = no_recompute(c), no_recompute(rc)
             same = (_lay(rc), rc.get("mbs"), settings(rc)) == (_lay(c), c.get("mbs"), settings(c))
             if same and none != rnone and none == (speed < rs):
                 lost.append((max(rs, speed), f"{_rec_desc(c)} (trial {o.trial_number}) came back "
