@@ -416,8 +416,8 @@ def _recompute_pooled(values: dict[str, list[float]], scores: dict[str, float], 
     squares fit under that order). Without measured noise (fewer than three candidates repeated) or with
     none (repeats that agree exactly) the scores stand. robustness.py with noise: a layout with one layer
     recomputed, its median 5 % above its truth, was called best over the same layout without recompute (truth
-    2 % higher; Llama-3-8B at s=32k, speed trainer, 0.938 -> 0.955); over the cached noisy studies at 2164a79,
-    19 calls change, 18 for the better."""
+    2 % higher; Llama-3-8B at s=32k, speed trainer, 0.938 -> 0.955); over 171 cached studies, 19 calls change,
+    18 for the better (benchmarks/results/robustness-heuristic-pooled-call.md)."""
     noise = measured_noise(values.values(), direction)
     if not noise:
         return scores
