@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from zenithtune.run import FailureKind
+from zenithtune.space import RECOMPUTE_PARAMS
 
 if TYPE_CHECKING:
     import optuna
@@ -372,10 +373,6 @@ def measured_noise(groups: Iterable[list[float]], direction: str) -> float | Non
     return None if repeated < 3 or not dof else math.sqrt(ss / dof)
 
 
-# A candidate's recompute settings (the rest of it is its twin without recompute: `_recompute_pooled`)
-_RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
-
-
 def best_of(outcomes: list[Outcome], direction: str, *, pool_recompute: bool = False) -> Outcome | None:
     """The complete outcome of the candidate with the best score. A candidate measured several times
     (`Proposal.repeat`) counts once, at `central` of its scores (the median of its runs that no
@@ -392,10 +389,8 @@ def best_of(outcomes: list[Outcome], direction: str, *, pool_recompute: bool = F
     medians = {k: central(v, direction) for k, v in values.items()}
     if pool_recompute:
         medians = _recompute_pooled(values, medians, direction)
-        # on a tie (pooled), the candidate without recompute
-        key = max(groups, key=lambda k: (sign * medians[k], no_recompute(groups[k][0].candidate)))
-    else:
-        key = max(groups, key=lambda k: sign * medians[k])
+    # pooled, a tie goes to the candidate without recompute; unpooled, to the first measured
+    key = max(groups, key=lambda k: (sign * medians[k], pool_recompute and no_recompute(groups[k][0].candidate)))
     group, median = groups[key], medians[key]
     if len(group) == 1 and median == group[0].value:
         return group[0]
@@ -424,7 +419,7 @@ def _recompute_pooled(values: dict[str, list[float]], scores: dict[str, float], 
     sign = 1.0 if direction == "maximize" else -1.0
     out = dict(scores)
     cands = {k: json.loads(k) for k in values}
-    twin = {k: json.dumps({n: v for n, v in c.items() if n not in _RECOMPUTE_KEYS}, sort_keys=True)
+    twin = {k: json.dumps({n: v for n, v in c.items() if n not in RECOMPUTE_PARAMS}, sort_keys=True)
             for k, c in cands.items()}
     for a, ca in cands.items():
         if not no_recompute(ca):
