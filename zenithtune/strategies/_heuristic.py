@@ -103,7 +103,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from zenithtune.record import central, chance_above, gap_in_se, measured_noise, no_recompute, noise_sd
+from zenithtune.record import central, chance_above, gap_in_se, measured_noise, no_recompute, noise_sd, shows_no_noise
 from zenithtune.run import FailureKind
 from zenithtune.space import LAYOUT_KEYS, SWITCH_PARAMS, settings, switches_at_least
 from zenithtune.strategies._base import Outcome, Proposal, Strategy
@@ -826,6 +826,8 @@ class HeuristicStrategy(Strategy):
             if n(best) < 2:  # one run could be a lucky one: it is confirmed before it is called the best
                 return self._again(best, f"the best (trial {best.trial_number}) ran once: confirmed before it is "
                                          f"called the best")
+            if shows_no_noise(self._runs().values()):  # repeats agreed exactly: another run returns what is known
+                others = []
             se = lambda o: noise * math.sqrt(1 / n(best) + 1 / n(o))  # noqa: E731
             near = [o for o in others if self._speed(best) / self._speed(o) - 1 < 2 * se(o)
                     and 2 * se(o) > self.min_gain]
@@ -1021,8 +1023,8 @@ class HeuristicStrategy(Strategy):
             return None
         counts, noise = self._counts(), self._noise_sd()
         lay, nb = _lay(best.candidate, vp=False), counts.get(self.space.key(best.candidate), 0)
-        if nb < 2:  # a best that ran once is no firmer than its rival: it is confirmed before the study stops
-            return None
+        if nb < 2 or shows_no_noise(self._runs().values()):  # a best that ran once is no firmer than its rival:
+            return None  # it is confirmed before the study stops; repeats that agreed exactly settle nothing more
         near = [o for k, o in reps.items() if o is not best and counts.get(k, 0) == 1
                 and _lay(o.candidate, vp=False) != lay
                 and self._speed(best) / self._speed(o) - 1 < 2 * noise * math.sqrt(1 / nb + 1)]
