@@ -195,22 +195,26 @@ class StagedBlackboxStrategy(Strategy):
         self._neighboured: set[tuple] = set()  # (best's key, mbs) already proposed as an MBS neighbour
         self._values: dict[str, list] = {}  # each layout dimension's values, sorted
         self._stepped: set[tuple] = set()  # layouts proposed as a step from the best
-        self._step_wins = 0  # layout steps that found a better layout: not counted against `layout_steps`
+        self._step_layouts: set[tuple] = set()  # layouts a told layout step measured
+        self._step_wins: set[tuple] = set()  # of those, the ones that came to hold the best: not counted
         self._steps_asked: set[tuple] = set()  # keys of the layout steps this process proposed
         super().setup(judge, [], direction, metric)
         for o in history:
             self.tell(o)
 
     def tell(self, outcome: Outcome) -> None:
-        before = self.best()
         super().tell(outcome)
-        if (outcome.why or "").startswith(LAYOUT_STEP_WHY) and outcome.ok and self.best() is outcome and \
-                before is not None and before is not outcome:
+        lay = _layout(self.space, outcome.candidate)
+        if (outcome.why or "").startswith(LAYOUT_STEP_WHY) and outcome.ok:
+            self._step_layouts.add(lay)
+        best = self.best()
+        if best is not None and _layout(self.space, best.candidate) in self._step_layouts:
             # a step that found a better layout does not count against `layout_steps`: the walk goes on
             # from there (the 64-expert MoE on 64 H100: the EP 4->8 step won with the budget spent, and
-            # PP 2->1 from it, the optimum, was never taken: 0.874)
-            self._step_wins += 1
-        lay = _layout(self.space, outcome.candidate)
+            # PP 2->1 from it, the optimum, was never taken: 0.874). Found, too, when the step's own run,
+            # at memory-safe settings, was slower and a promotion of its layout then took the lead (the
+            # same MoE on the memory trainer: TP 4->2 at full recompute 174.7, promoted 232.8, the best)
+            self._step_wins.add(_layout(self.space, best.candidate))
         self._seen.setdefault(lay, set()).add(self.space.key(outcome.candidate))
         if outcome.ok and (lay not in self._best or self.better(outcome.value, self._best[lay].value)):  # type: ignore[arg-type]
             self._best[lay] = outcome
@@ -650,7 +654,7 @@ class StagedBlackboxStrategy(Strategy):
         """Layout steps counted against `layout_steps`: those told (a resumed study's too) and those still
         running, less those that found a better layout."""
         told = [self.space.key(o.candidate) for o in self.history if (o.why or "").startswith(LAYOUT_STEP_WHY)]
-        return len(told) + len(self._steps_asked - set(told)) - self._step_wins
+        return len(told) + len(self._steps_asked - set(told)) - len(self._step_wins)
 
     def _adjacent(self, a: dict, b: dict) -> int:
         """How near layout a is to b: 1 for one dimension one value up or down, or two dimensions one
