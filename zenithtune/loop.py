@@ -278,6 +278,8 @@ class StudyLoop:
         if len(runs) < 2:
             return None
         values = {k: [float(o.value) for o in g] for k, g in runs.items()}  # type: ignore[arg-type]
+        if record.shows_no_noise(values.values()):
+            return None  # repeats agreed exactly: another run returns what is known
         shown = record.measured_noise(values.values(), direction)
         noisy = shown is not None and shown > NOISE / 4
         if self.job.strategy.confirms_best and not noisy:
@@ -295,8 +297,6 @@ class StudyLoop:
         near = [k for k in ranked[1:] if record.gap_in_se(score[best], count[best], score[k], count[k], noise) < 2]
         tied = [best, *near]
         split = [k for k in tied if count[k] == len(values[k]) == 2 and len(record.unslowed(values[k], direction)) < 2]
-        if record.shows_no_noise(values.values()):
-            return None  # repeats agreed exactly: another run returns what is known
         if count[best] < 2:
             k, why = best, "the best ran once: confirmed before it is called the best"
         elif split:
