@@ -45,7 +45,8 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    `probe_risk` of running out: the estimate must never miss an OOM, so at its edge it is a few GB
    pessimistic, and the fastest layouts often live there.
 3. MBS steps: the best setting at the next smaller and larger MBS (same recompute, or where that is
-   screened, the lightest recompute that fits at the larger MBS and costs little more work), then the
+   screened or carries more risk than the last OOM's stake allows, the lightest recompute within both
+   that fits at the larger MBS and costs little more work), then the
    next larger MBS of every other layout whose best is within `mbs_reach` of the best: a larger
    micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
    Each is measured once.
