@@ -25,7 +25,6 @@ from zenithtune.loop import Launched, StudyLoop, confirm_window
 from zenithtune.memory import MemoryModel
 from zenithtune.sim import simulate
 from zenithtune.sim.inprocess import launcher
-from zenithtune.space import RECOMPUTE_PARAMS
 from zenithtune.strategies import Outcome
 from zenithtune.strategies._heuristic import _lay
 from zenithtune.validate import required_env
@@ -1779,71 +1778,3 @@ def test_heuristic_doubts_a_dense_tp_that_ran_out_of_memory_before_any_run_fit_o
             fit_tps.add(tp)
     assert doubted is not None  # the rule had an OOM to act on
     assert doubted in fit_tps  # ... and the TP it doubted was measured, from the safe side
-
-
-def test_staged_mbs_step_takes_the_lightest_recompute_the_last_oom_stake_allows():
-    # With one OOM of max_ooms left, an MBS step may carry at most last_oom_risk (the loop refuses more).
-    # Where the best's own setting at twice the MBS carries more, the step takes the lightest recompute
-    # within the stake (and NEIGHBOUR_EXTRA_WORK) instead of proposing what the loop refuses: refused, the
-    # step was spent and the best layout's MBS never doubled (robustness.py, the 64-expert MoE on 64 H100,
-    # stand-in trainer: TP1 PP1 EP8 at MBS 2 without recompute, 44 % risk; the optimum recomputes 7 of 28
-    # layers at MBS 2: 0.925). The memory model's risk is replaced here: at MBS 2, none 40 %, selective
-    # 10 %, full 0 %; at MBS 1 nothing.
-    job = make_job("staged_blackbox", extra=("strategy.stage1_trials=3",))
-    study(job, 3)
-    st = job.strategy
-    o = next(o for o in st.history if o.ok)
-    base = job.space.normalize({**{k: v for k, v in o.candidate.items() if k not in RECOMPUTE_PARAMS},
-                                "mbs": 1, "recompute_granularity": "none"})
-    best = dataclasses.replace(o, candidate=base)
-    real = job.assess
-    risk = {"none": 0.4, "selective": 0.1}
-
-    def assess(c):
-        r = risk.get(c.get("recompute_granularity"), 0.0) if c.get("mbs") == 2 else 0.0
-        return dataclasses.replace(real(c), oom_risk=r)
-
-    st.judge = type("J", (), {"assess": staticmethod(assess), "capacity_gb": job.capacity_gb})()
-    st._ooms = lambda: st.max_ooms - 1
-    p = st._mbs_step(best, set(), False, True)
-    assert p is not None and p.max_risk == st.last_oom_risk
-    assert p.fixed["mbs"] == 2 and p.fixed["recompute_granularity"] == "selective", p.fixed
-    assert assess(p.fixed).oom_risk <= p.max_risk
-    # with both OOMs left there is no stake: the best's own setting at twice the MBS, as before
-    st._neighboured.clear()
-    st._ooms = lambda: 0
-    p = st._mbs_step(best, set(), False, True)
-    assert p is not None and p.max_risk is None and p.fixed == {**base, "mbs": 2}, p.fixed
-
-
-def test_staged_layout_step_with_one_oom_left_skips_a_layout_the_stake_refuses():
-    # With one OOM of max_ooms left, a layout step's memory-safe run may carry at most last_oom_risk: the
-    # loop refuses more, and a refused step was spent (robustness.py, Qwen3 on the memory trainer: two of
-    # six steps refused at 37 % and 33 %). The favoured layout whose safe settings carry more than the
-    # stake is passed over for the next, which the loop launches. (The memory model's risk is replaced:
-    # 40 % for the layout the step would take first, none elsewhere.)
-    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
-    st = job.strategy
-    st.setup(job, [])
-    here = next(dict(lay) for lay in st._by_layout if dict(lay)["tp"] == 1 and dict(lay)["ep"] == 1
-                and dict(lay).get("pp") == 1 and dict(lay).get("cp") == 1)
-    best = Outcome(candidate={**here, "mbs": 1, "recompute_granularity": "none"}, state="complete", value=100.0,
-                   launched=True, trial_number=0)
-    st.tell(best)
-    first = st._layout_step(best)
-    assert first is not None and first.max_risk is None  # both OOMs left: no stake
-    st._stepped.clear()
-    st._steps_asked.clear()
-    real = job.assess
-    hot = {k: first.fixed[k] for k in here}
-
-    def assess(c):
-        r = 0.4 if {k: c.get(k) for k in here} == hot else 0.0
-        return dataclasses.replace(real(c), oom_risk=r)
-
-    st.judge = type("J", (), {"assess": staticmethod(assess), "capacity_gb": job.capacity_gb})()
-    st._ooms = lambda: st.max_ooms - 1
-    step = st._layout_step(best)
-    assert step is not None and step.max_risk == st.last_oom_risk
-    assert {k: step.fixed[k] for k in here} != hot and assess(step.fixed).oom_risk <= step.max_risk, step.fixed
-    assert "layout next to the best" in step.why

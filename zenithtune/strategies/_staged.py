@@ -45,8 +45,7 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    `probe_risk` of running out: the estimate must never miss an OOM, so at its edge it is a few GB
    pessimistic, and the fastest layouts often live there.
 3. MBS steps: the best setting at the next smaller and larger MBS (same recompute, or where that is
-   screened or carries more risk than the last OOM's stake allows, the lightest recompute within both
-   that fits at the larger MBS and costs little more work), then the
+   screened, the lightest recompute that fits at the larger MBS and costs little more work), then the
    next larger MBS of every other layout whose best is within `mbs_reach` of the best: a larger
    micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
    Each is measured once.
@@ -58,8 +57,7 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    values by chance, and a tuned layout must not look better for its MBS). Stage 1's budget covers few
    layouts of a large MoE space; this walks from where it landed, and a step that finds a better layout
    does not count against `layout_steps`.
-   Once the study has spent its `max_ooms`, only a layout whose memory-safe settings a run proves fit;
-   with one OOM left, only one whose memory-safe settings the last-OOM stake allows.
+   Once the study has spent its `max_ooms`, only a layout whose memory-safe settings a run proves fit.
 5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
    the `top_layouts` best measured layouts; the one holding the best result gets most proposals, the
    runners-up every third. Both stages ask the same study, so TPE learns from every trial. Once the
@@ -498,35 +496,25 @@ class StagedBlackboxStrategy(Strategy):
                 return step
         return None
 
-    def _launchable(self, c: dict, stake: float | None) -> bool:
-        """Would the loop launch `c` under a proposal allowing `stake` risk of running out of memory (None:
-        any)? The screen admits it and its learned risk is within the stake. An MBS step whose own setting
-        the stake refuses takes the lightest recompute within it: refused, the step was spent and the MBS
-        never doubled (robustness.py, the 64-expert MoE on 64 H100, stand-in trainer: TP1 PP1 EP8 at MBS 2
-        without recompute, 44 % risk with one OOM left, was refused; the optimum is that layout at MBS 2
-        with 7 of 28 layers recomputed: 0.925 in all six studies)."""
-        return not self._screened(c) and (stake is None or self.judge.assess(c).oom_risk <= stake)
-
     def _mbs_step(self, best: Outcome, tried: set[tuple], down: bool, incumbent: bool) -> Proposal | None:
         b = best.candidate
         cands = self._by_layout.get(_layout(self.space, b), {})
         sizes = sorted({c.get("mbs", 1) for c in cands.values()})
         mbs = b.get("mbs", 1)
         steps = [m for m in sizes if m > mbs][:1] + ([m for m in sizes if m < mbs][-1:] if down else [])
-        stake = self._stake(0.0)
         for m in steps:
             if (self.space.key(b), m) in self._neighboured:
                 continue
             key = self.space.key({**b, "mbs": m})
             same = cands.get(key)
-            if same is not None and self._launchable(same, stake):
+            if same is not None and not self._screened(same):
                 pick = None if key in tried else same
             elif m > mbs:
                 # the larger MBS needs more recompute: the lightest that fits, if it costs little work
                 ups = [c for k, c in cands.items() if k not in tried and c.get("mbs") == m
                        and settings(c) == settings(b)
                        and self._work(c) <= self._work(b) + NEIGHBOUR_EXTRA_WORK]
-                pick = next((c for c in sorted(ups, key=self._work) if self._launchable(c, stake)), None)
+                pick = next((c for c in sorted(ups, key=self._work) if not self._screened(c)), None)
             else:
                 pick = None
             if pick is not None:
@@ -645,13 +633,10 @@ class StagedBlackboxStrategy(Strategy):
         if not scored:
             return None
         # the best predicted first (a stable sort keeps the space's order among equals); once the OOMs are
-        # spent, only a layout whose memory-safe settings a run proves fit, and with one OOM left only one
-        # whose memory-safe settings carry no more risk than its stake (the loop refuses the rest, and a
-        # refused step was spent: robustness.py, Qwen3 on the memory trainer, two of six steps refused)
-        spent, stake = self._budget_spent(), self._safe_risk()
+        # spent, only a layout whose memory-safe settings a run proves fit (the loop refuses the rest)
+        spent = self._budget_spent()
         steps = ((lay, self._safe_settings(dict(lay))) for lay in sorted(scored, key=lambda lay: -scored[lay][0]))
-        pick, cand = next(((lay, c) for lay, c in steps if (not spent or not self._screened(c))
-                           and (stake is None or self.judge.assess(c).oom_risk <= stake)), (None, None))
+        pick, cand = next(((lay, c) for lay, c in steps if not spent or not self._screened(c)), (None, None))
         if pick is None or cand is None:
             return None
         self._stepped.add(pick)
@@ -661,7 +646,7 @@ class StagedBlackboxStrategy(Strategy):
         origin_desc = " ".join(f"{k}={v}" for k, v in _layout(self.space, origin.candidate))
         via = "" if origin is best else (f", by a step from layout {origin_desc} (trial {origin.trial_number}), "
                                          f"measured within {100 * STEP_REACH:g} % of it")
-        return Proposal(cand, stage=SETTINGS_STAGE, max_risk=stake,
+        return Proposal(cand, stage=SETTINGS_STAGE, max_risk=self._safe_risk(),
                         why=f"{LAYOUT_STEP_WHY} (trial {best.trial_number}){via}: {desc}, the one the "
                         f"runs so far favour ({score:+.2f} log), at memory-safe settings")
 
