@@ -1778,3 +1778,36 @@ def test_heuristic_doubts_a_dense_tp_that_ran_out_of_memory_before_any_run_fit_o
             fit_tps.add(tp)
     assert doubted is not None  # the rule had an OOM to act on
     assert doubted in fit_tps  # ... and the TP it doubted was measured, from the safe side
+
+
+def test_staged_layout_step_with_one_oom_left_skips_a_layout_the_stake_refuses():
+    # With one OOM of max_ooms left, a layout step's memory-safe run may carry at most last_oom_risk: the
+    # loop refuses more, and a refused step was spent (robustness.py, Qwen3 on the memory trainer: two of
+    # six steps refused at 37 % and 33 %). The favoured layout whose safe settings carry more than the
+    # stake is passed over for the next, which the loop launches. (The memory model's risk is replaced:
+    # 40 % for the layout the step would take first, none elsewhere.)
+    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
+    st = job.strategy
+    st.setup(job, [])
+    here = next(dict(lay) for lay in st._by_layout if dict(lay)["tp"] == 1 and dict(lay)["ep"] == 1
+                and dict(lay).get("pp") == 1 and dict(lay).get("cp") == 1)
+    best = Outcome(candidate={**here, "mbs": 1, "recompute_granularity": "none"}, state="complete", value=100.0,
+                   launched=True, trial_number=0)
+    st.tell(best)
+    first = st._layout_step(best)
+    assert first is not None and first.max_risk is None  # both OOMs left: no stake
+    st._stepped.clear()
+    st._steps_asked.clear()
+    real = job.assess
+    hot = {k: first.fixed[k] for k in here}
+
+    def assess(c):
+        r = 0.4 if {k: c.get(k) for k in here} == hot else 0.0
+        return dataclasses.replace(real(c), oom_risk=r)
+
+    st.judge = type("J", (), {"assess": staticmethod(assess), "capacity_gb": job.capacity_gb})()
+    st._ooms = lambda: st.max_ooms - 1
+    step = st._layout_step(best)
+    assert step is not None and step.max_risk == st.last_oom_risk
+    assert {k: step.fixed[k] for k in here} != hot and assess(step.fixed).oom_risk <= step.max_risk, step.fixed
+    assert "layout next to the best" in step.why
