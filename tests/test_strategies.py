@@ -787,42 +787,6 @@ def test_staged_layout_steps_also_start_from_a_layout_measured_within_reach_of_t
         assert st._adjacent(lay, runner) and not st._adjacent(lay, here), (lay, runner, here)
 
 
-def test_staged_layout_steps_compare_layouts_at_one_mbs_and_vp():
-    # A layout measured at memory-safe settings (MBS 1) is compared with the best layout at its own MBS 1
-    # run, not at what stage 2 tuned it to (the 64-expert MoE on 64 H100, plain trainer: TP1 PP2 EP8 at MBS 1
-    # measured 230.7, above the best layout's 225.3 at MBS 1 but 6.5 % below that layout at MBS 2 and vp 2,
-    # so no step started from it, and its PP 2->1 step, the optimum's layout, was never taken: 0.874).
-    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE)
-    st = job.strategy
-    st.setup(job, [])
-    lays = [dict(lay) for lay in st._by_layout if lay not in st._far]
-    here, runner = next((b, r) for b in lays for r in lays if st._adjacent(r, b) == 1 and any(
-        st._adjacent(x, r) and not st._adjacent(x, b) and x != b for x in lays))
-    st._stepped |= {lay for lay in st._by_layout if st._adjacent(dict(lay), here)}
-    for i, (lay, mbs, value) in enumerate(((here, 1, 100.0), (here, 2, 115.0), (runner, 1, 102.0))):
-        st.tell(Outcome(candidate={**lay, "mbs": mbs, "recompute_granularity": "none"}, state="complete",
-                        value=value, launched=True, trial_number=i))
-    assert st.best().value == 115.0  # the runner-up's 102 is 11 % below it, but above the best layout at MBS 1
-    step = st._layout_step(st.best())
-    assert step is not None and "by a step from layout" in step.why and "(trial 2)" in step.why, step
-    assert st._adjacent({k: step.fixed[k] for k in here}, runner)
-
-
-def test_staged_layout_steps_trust_two_layouts_that_differ_in_one_value_over_the_additive_fit():
-    # The additive fit of all runs can be misled by what a value's random stage-1 layouts share beyond
-    # what it models (the 64-expert MoE on 64 H100, plain trainer: it put PP1 12 % below PP2, while TP2 EP8
-    # ETP2 measured 8 % faster at PP1 than at PP2; the optimum's layout is PP1). Where two measured layouts
-    # differ in that value alone, their difference is what a step changing it is predicted to do.
-    from zenithtune.strategies._staged import _moves
-    lay = lambda pp, cp: (("tp", 1), ("pp", pp), ("cp", cp))  # noqa: E731
-    level = {lay(1, 1): 0.08, lay(2, 1): 0.0, lay(2, 2): -0.1, lay(1, 2): -0.05}
-    effect = {"tp": {1: 0.0}, "pp": {1: -0.12, 2: 0.01, 4: 0.02}, "cp": {1: 0.1, 2: -0.1}}
-    move = _moves(level, effect)
-    assert move("pp", 2, 1) == pytest.approx((0.08 - 0.0 + -0.05 - -0.1) / 2)  # two pairs, both say PP1 gains
-    assert move("pp", 2, 4) == pytest.approx(0.02 - 0.01)  # no pair measured PP4: the fit
-    assert move("cp", 1, 2) == pytest.approx((-0.05 - 0.08 + -0.1 - 0.0) / 2)
-
-
 # --- noise: repeats -------------------------------------------------------------------------------------
 NOISY = ("--sim-noise-sigma=0.03", "--sim-outlier-rate=0.1", "--sim-noise-seed=1")
 

@@ -545,18 +545,6 @@ class StagedBlackboxStrategy(Strategy):
                                  math.log(self.rate(float(o.value)) * self._work(o.candidate)), o))  # type: ignore[arg-type]
         return rows
 
-    def _by_measured_layout(self, rows: list[tuple[dict, float, Outcome]]) -> dict[tuple, list]:
-        """The effects fit's rows (`_rows`) by layout. A layout is compared with another at one level: its
-        best run with the MBS and vp effects taken out, so that a layout stage 2 has tuned does not look
-        better than one measured at memory-safe settings for its MBS or vp (robustness.py, the 64-expert
-        MoE on 64 H100, plain trainer: TP1 PP2 EP8 at MBS 1 measured 230.7, above the best layout's 225.3
-        at MBS 1 but 6.5 % below that layout tuned to MBS 2 and vp 2, so no layout step started from it,
-        and its PP 2->1 step, the optimum's layout, was never taken: 0.874)."""
-        out: dict[tuple, list] = {}
-        for row in rows:
-            out.setdefault(_layout(self.space, row[2].candidate), []).append(row)
-        return out
-
     def _recheck(self, best: Outcome) -> Proposal | None:
         """Step 0 (issue 19 1d, a result far from its prediction is measured again before it steers the
         search): stage 1 measures each layout once, and a run a straggler slowed (1.5x on a busy cluster)
@@ -609,30 +597,26 @@ class StagedBlackboxStrategy(Strategy):
         settings."""
         if self._steps_spent() >= self.layout_steps:
             return None
-        # What the runs so far say of each dimension's value: an additive model of the log throughput of
-        # every measured run (its recompute work taken out), one effect per layout dimension value, MBS and
-        # virtual pipeline size, fitted jointly and shrunk toward none (`_effects`). No model of the trainer
-        # is involved.
-        rows = self._rows()
-        if not rows:
-            return None
-        here = dict(_layout(self.space, best.candidate))
-        effect = _effects([(v, r) for v, r, _ in rows], [*here, "mbs", "vp"])
-        level = {lay: max(r - effect["mbs"][v["mbs"]] - effect["vp"][v["vp"]] for v, r, _ in runs)
-                 for lay, runs in self._by_measured_layout(rows).items()}
-        top = level.get(_layout(self.space, best.candidate))
-        if top is None:
-            return None
+        top = self.rate(float(best.value))  # type: ignore[arg-type]
         # Where the walk may start: the best layout and those within STEP_REACH of it. Under measurement
         # noise, and with layouts tuned to different depths, such a layout may be the better one, and the
         # optimum may lie next to it, not next to the best (the 64-expert MoE on 16 H100, stand-in trainer
         # with noise: PP2 EP8 measured 0.8 % below PP4 EP4, and PP 2->1 from it, the optimum, was never a
-        # step: 0.861). A neighbour is predicted at its origin's level plus what the layout values it
-        # changes did (`_moves`).
-        reach = top + math.log(1 - STEP_REACH)
-        origins = [best, *sorted((o for lay, o in self._best.items() if o is not best and level.get(lay, -math.inf)
-                                  >= reach), key=lambda o: -level[_layout(self.space, o.candidate)])]
-        move = _moves(level, effect)
+        # step: 0.861).
+        origins = [best, *sorted((o for o in self._best.values() if o is not best and
+                                  self.rate(float(o.value)) >= top * (1 - STEP_REACH)),  # type: ignore[arg-type]
+                                 key=lambda o: -self.rate(float(o.value)))]  # type: ignore[arg-type]
+        # What the runs so far say of each dimension's value: an additive model of the log throughput of
+        # every measured run (its recompute work taken out), one effect per layout dimension value, MBS and
+        # virtual pipeline size, fitted jointly and shrunk toward none (`_effects`): a layout that stage 2
+        # has tuned does not look better than one measured at memory-safe settings for its MBS. A
+        # neighbour is predicted at its origin's measured value times the effects of the layout values it
+        # changes; no model of the trainer is involved.
+        rows = [(v, r) for v, r, _ in self._rows()]
+        if not rows:
+            return None
+        here = dict(_layout(self.space, best.candidate))
+        effect = _effects(rows, [*here, "mbs", "vp"])
         open_ = [lay for lay in self._by_layout if lay not in self._best and lay not in self._stage1_layouts
                  and lay not in self._stepped and lay not in self._far]
         scored: dict[tuple, tuple[float, float, Outcome]] = {}  # layout -> (predicted log rate, score, origin)
@@ -643,8 +627,8 @@ class StagedBlackboxStrategy(Strategy):
             near = [lay for lay, t in tier.items() if t == 1] or [lay for lay, t in tier.items() if t == 2]
             for lay in near:
                 n = dict(lay)
-                score = sum(move(d, at[d], n.get(d)) for d in at if n.get(d) != at[d])
-                pred = level[_layout(self.space, o.candidate)] + score
+                score = sum(effect[d].get(n.get(d), 0.0) - effect[d].get(at[d], 0.0) for d in at if n.get(d) != at[d])
+                pred = math.log(self.rate(float(o.value))) + score  # type: ignore[arg-type]
                 if lay not in scored or pred > scored[lay][0]:
                     scored[lay] = (pred, score, o)
         if not scored:
@@ -795,24 +779,6 @@ def _rec(c: dict) -> str:
     if c.get("vit_gradient_checkpointing") is not None:
         s += f", ViT checkpointing {'on' if c['vit_gradient_checkpointing'] else 'off'}"
     return s
-
-
-def _moves(level: dict[tuple, float], effect: dict[str, dict]) -> Callable[[str, object, object], float]:
-    """What changing one layout dimension d from value a to b does to the log throughput: measured directly
-    where two measured layouts differ in d alone, a in one and b in the other (the mean of their `level`
-    differences); else the additive fit's effects (`_effects`). The fit is misled by what a value's random
-    stage-1 runs share beyond what an additive model holds: on the 64-expert MoE on 64 H100, plain trainer,
-    it put PP1 12 % below PP2, while TP2 EP8 ETP2 measured 8 % faster at PP1 than at PP2; the optimum's
-    layout is PP1."""
-    groups: dict[str, dict[tuple, dict]] = {}
-    for lay, v in level.items():
-        for d, x in lay:
-            groups.setdefault(d, {}).setdefault(tuple(kv for kv in lay if kv[0] != d), {})[x] = v
-
-    def move(d: str, a: object, b: object) -> float:
-        diffs = [g[b] - g[a] for g in groups.get(d, {}).values() if a in g and b in g]
-        return float(np.mean(diffs)) if diffs else effect[d].get(b, 0.0) - effect[d].get(a, 0.0)
-    return move
 
 
 def _effects(rows: list[tuple[dict, float]], dims: list[str]) -> dict[str, dict]:
