@@ -9,8 +9,7 @@ to an OOM. Only the layout is an Optuna parameter of these trials, so stage 1 do
 of MBS, vp or recompute. A layout whose TP crosses nodes is not drawn (`tp_within_node`: TPE's draw of one
 is pruned, and TPE learns so; the layout steps skip them). The first `n_startup_trials` layouts are drawn
 at random among the valid ones not drawn yet, in place of TPE's random start, whose independent draws
-of each size are mostly invalid for a MoE space; each draw among those holding the most layout values no
-draw held yet, so that the start measures as many TP, PP, CP, EP and ETP values as it can. It lasts `stage1_trials` launches, or
+of each size are mostly invalid for a MoE space. It lasts `stage1_trials` launches, or
 less when every valid layout has run. When the next OOM would be the last `max_ooms` allows, a
 layout run at memory-safe settings (here and in step 4) may carry at most `last_oom_risk` of running
 out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
@@ -316,19 +315,6 @@ class StagedBlackboxStrategy(Strategy):
         learned risk, 17 %, was under this cap, so the study is unchanged)."""
         risk = self._safe_risk()
         return None if risk is None or gain >= self.probe_gain else risk
-
-    def _covering_layout(self) -> tuple:
-        """TPE's start: an untried layout at random among those holding the most layout values (TP 2, EP 8,
-        ...) that no layout stage 1 drew holds. TPE and the layout steps' effects fit (`_effects`) learn one
-        value of one dimension at a time, and know nothing of a value never drawn; a plain random draw
-        follows the number of valid layouts holding each value, and in a MoE space, whose valid layouts are
-        mostly small TP with mid EP, ten draws often miss a value, PP 1 or TP 1, that the optimum holds.
-        Once every value was drawn, the draw is plain random again."""
-        drawn = {dv for lay in self._stage1_layouts for dv in lay}
-        untried = self._untried_layouts()
-        new = [sum(dv not in drawn for dv in lay) for lay in untried]
-        most = max(new)
-        return self._rng.choice([lay for lay, n in zip(untried, new) if n == most])
 
     def _untried_layouts(self) -> list[tuple]:
         return [lay for lay in self._by_layout if lay not in self._stage1_layouts and lay not in self._far]
@@ -700,9 +686,8 @@ class StagedBlackboxStrategy(Strategy):
                         lay, how = safest[0], (f"no layout measured yet after an OOM: the untried layout whose "
                                                f"memory-safe settings carry the least risk ({100 * safest[1]:.0f} %)")
                     else:
-                        lay, how = self._covering_layout(), ("an untried layout at random among those with "
-                                                             "the most layout values stage 1 has not drawn, "
-                                                             "at memory-safe settings")
+                        lay, how = self._rng.choice(self._untried_layouts()), \
+                            "an untried layout at random, at memory-safe settings"
                     return Proposal(dict(lay), why=f"stage 1: {why}; {how}", stage=LAYOUT_STAGE, sample=LAYOUT_PARAMS,
                                     complete=self._safe_settings, max_risk=self._safe_risk())
                 return Proposal({}, why="stage 1: TPE picks the layout, at memory-safe settings",
