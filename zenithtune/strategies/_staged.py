@@ -512,55 +512,19 @@ class StagedBlackboxStrategy(Strategy):
                 pick = None if key in tried else same
             elif m > mbs:
                 # the larger MBS needs more recompute: the lightest that fits, if it costs little work
-                pick = next((c for c in self._heavier(b, m, tried) if not self._screened(c)), None)
+                ups = [c for k, c in cands.items() if k not in tried and c.get("mbs") == m
+                       and settings(c) == settings(b)
+                       and self._work(c) <= self._work(b) + NEIGHBOUR_EXTRA_WORK]
+                pick = next((c for c in sorted(ups, key=self._work) if not self._screened(c)), None)
             else:
                 pick = None
-            if pick is not None and m > mbs:
-                # where the runs foresee a gain, the setting whose gain weighed by its chance to fit is
-                # largest, among the same recompute and the heavier ones that cost little more work
-                options = [c for c in [pick, *self._heavier(b, m, tried)] if not self._screened(c)]
-                weighed = [(max(self._foreseen(best, c), 0.0) * (1 - self.judge.assess(c).oom_risk), c)
-                           for c in options]
-                top = max(weighed, key=lambda t: t[0])
-                pick = top[1] if top[0] > 0 else pick
             if pick is not None:
                 self._neighboured.add((self.space.key(b), m))
                 who = "the best" if incumbent else "a runner-up layout's best"
-                gain = self._foreseen(best, pick)
-                foreseen = f", which the runs so far foresee {100 * gain:+.1f} % against the best" if gain else ""
-                return Proposal(dict(pick), stage=SETTINGS_STAGE, max_risk=self._stake(gain),
+                return Proposal(dict(pick), stage=SETTINGS_STAGE, max_risk=self._stake(0.0),
                                 why=f"stage 2, MBS next to {who} (trial {best.trial_number}, mbs {mbs}): "
-                                f"mbs {m} with {_rec(pick)}{foreseen}")
+                                f"mbs {m} with {_rec(pick)}")
         return None
-
-    def _heavier(self, b: dict, m: int, tried: set[tuple]) -> list[dict]:
-        """`b`'s untried settings at MBS `m` with its switches and more recompute, costing at most
-        NEIGHBOUR_EXTRA_WORK more work, the lightest first."""
-        cands = self._by_layout.get(_layout(self.space, b), {})
-        ups = [c for k, c in cands.items() if k not in tried and c.get("mbs") == m and settings(c) == settings(b)
-               and self._work(b) < self._work(c) <= self._work(b) + NEIGHBOUR_EXTRA_WORK]
-        return sorted(ups, key=self._work)
-
-    def _foreseen(self, o: Outcome, pick: dict) -> float:
-        """What the runs so far foresee of `pick`, `o`'s setting at another MBS, against the best: `o`'s
-        measured value, times the effects fit's step between the two MBS (`_effects`: every run's MBS,
-        layout values and vp fitted jointly, so it is learned from the layouts measured at both), over the
-        extra recompute work `pick` carries. 0 where no run was measured at `pick`'s MBS (nothing is
-        foreseen then). A step the runs foresee `probe_gain` above the best may spend the last OOM, as a
-        promotion may (`_stake`): the 64-expert MoE on 64 H100, stand-in trainer, all six studies at 0.925:
-        after an OOM the best layout's MBS-2 step (full recompute of 7 layers, the optimum, 8 % faster)
-        carried 35 % risk against a 25 % stake, was refused, and the budget's last 11 launches went to
-        layouts at full recompute 15-60 % below the best."""
-        rows = self._rows()
-        best = self.best()
-        m0, m1 = o.candidate.get("mbs", 1), pick.get("mbs", 1)
-        if best is None or not any(r.get("mbs", 1) == m1 for r, _, _ in rows):
-            return 0.0
-        dims = [d for d, _ in _layout(self.space, o.candidate)]
-        eff = _effects([(r, y) for r, y, _ in rows], [*dims, "mbs", "vp"])["mbs"]
-        level = math.log(self.rate(float(o.value)) * self._work(o.candidate))  # type: ignore[arg-type]
-        pred = math.exp(level + eff.get(m1, 0.0) - eff.get(m0, 0.0)) / self._work(pick)
-        return pred / self.rate(float(best.value)) - 1  # type: ignore[arg-type]
 
     def _rows(self) -> list[tuple[dict, float, Outcome]]:
         """Every measured run as the effects fit takes it (`_effects`): its layout values, MBS and vp, and its
