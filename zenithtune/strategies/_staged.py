@@ -72,6 +72,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -79,6 +80,7 @@ import numpy as np
 from zenithtune.record import STRAGGLER, unslowed
 from zenithtune.space import LAYOUT_PARAMS, RECOMPUTE_PARAMS, SWITCH_PARAMS, settings
 from zenithtune.strategies._base import Outcome, Proposal, Strategy, tpe_sampler
+from zenithtune.strategies._heuristic import HeuristicStrategy
 from zenithtune.validate import candidate_modules
 
 if TYPE_CHECKING:
@@ -199,6 +201,7 @@ class StagedBlackboxStrategy(Strategy):
         self._step_layouts: set[tuple] = set()  # layouts a told layout step measured
         self._step_wins: set[tuple] = set()  # of those, the ones that came to hold the best: not counted
         self._steps_asked: set[tuple] = set()  # keys of the layout steps this process proposed
+        self._judge2: HeuristicStrategy | None = None  # step 4's judge, created on this history when first asked
         super().setup(judge, [], direction, metric)
         for o in history:
             self.tell(o)
@@ -700,7 +703,7 @@ class StagedBlackboxStrategy(Strategy):
             tried = self.tried_keys(pending)
             rate = self.rate(float(best.value))  # type: ignore[arg-type]
             step = self._recheck(best) or self._promotion(rate, tried) or self._neighbour(best, tried) or \
-                self._layout_step(best)
+                self._judged(pending) or self._layout_step(best)
             if step is not None:
                 return step
         if best is not None and self._budget_spent():
@@ -723,6 +726,23 @@ class StagedBlackboxStrategy(Strategy):
         tuned = "mbs/vp/recompute" if self.space.applies_vp(dict(lay)) else "mbs/recompute"
         return Proposal(dict(lay), why=f"stage 2: TPE tunes {tuned} on layout #{i + 1} {desc} "
                         f"(best so far {o.value:.1f})", stage=SETTINGS_STAGE, max_risk=self._stake(0.0))
+
+    def _judged(self, pending: Sequence[dict]) -> Proposal | None:
+        """Step 4: the default strategy's next proposal, judged on every run so far (it shares this
+        strategy's history; the study's budgets are this strategy's), or None when it sees no candidate
+        that could still beat the best."""
+        if self._judge2 is None:
+            judge2 = HeuristicStrategy(max_ooms=self.max_ooms, memory_probes=self.memory_probes,
+                                       probe_reach=self.probe_reach, probe_gain=self.probe_gain,
+                                       probe_risk=self.probe_risk, min_gain=self.min_gain,
+                                       last_oom_risk=self.last_oom_risk, tp_within_node=self.tp_within_node)
+            judge2.setup(self.judge, [], self.direction, self.metric)
+            judge2.history = self.history  # one history: every outcome told here is the judge's too
+            self._judge2 = judge2
+        self._judge2.free_launches = self.free_launches
+        proposal = self._judge2.ask(pending)
+        # its why is kept as written: the judge counts its own explorations and neighbour tests by it
+        return None if proposal is None else replace(proposal, stage=proposal.stage or SETTINGS_STAGE)
 
     def _proven(self, best: Outcome, pending: Sequence[dict]) -> Proposal | None:
         """Step 5 once the study spent its `max_ooms`: TPE would draw settings no run proves fit, which
