@@ -214,17 +214,23 @@ def test_staged_runs_stage1_then_stage2_and_respects_stage1_trials():
     trials = [t for t in loop.study.trials if t.user_attrs.get("launched")]
     assert [t.user_attrs["stage"] for t in trials] == stages  # recorded on the trial
     # stage 1 measures layouts at memory-safe settings; stage 2 tunes the layouts measured, and reaches a
-    # new one only as a step from the best (at most layout_steps of them, each first at safe settings)
+    # new one through the learned judge (step 4: the default strategy's proposal, its own why-line, any
+    # layout at any setting) or, once the judge sees nothing that could beat the best, as a step from the
+    # best (at most layout_steps of them, each first at safe settings)
     lays = lambda o: tuple(o.candidate.get(k) for k in ("tp", "pp", "cp"))  # noqa: E731
     assert all(o.candidate["mbs"] == 1 for o in launched(loop)[:4])
     known = {lays(o) for o in launched(loop)[:4]}
-    steps = 0
+    steps = judged = 0
     for o in launched(loop)[4:]:
         if lays(o) not in known:
-            assert o.why.startswith("stage 2, layout next to the best") and o.candidate["mbs"] == 1, o.why
+            if o.why.startswith("stage 2, layout next to the best"):
+                assert o.candidate["mbs"] == 1, o.why
+                steps += 1
+            else:
+                assert o.stage == "settings" and not o.why.startswith(("stage", "confirm")), o.why
+                judged += 1
             known.add(lays(o))
-            steps += 1
-    assert steps <= 6
+    assert steps <= 6 and judged
     # only the layout was TPE's in stage 1: the settings it filled are not Optuna params
     assert set(trials[0].params) <= {"tp", "pp", "cp", "ep", "etp"}
 
@@ -345,14 +351,19 @@ def test_staged_does_not_probe_what_the_memory_model_all_but_rules_out():
 
 
 def test_staged_stops_probing_after_an_oom():
-    # the same study on a trainer where everything the screen hides does run out of memory: one probe
-    # (an OOM), then never another, whatever the budget left
+    # the same study on a trainer where everything the screen hides does run out of memory: one probe of
+    # its own (an OOM), then never another, whatever the budget left
     job = make_job("staged_blackbox", extra=("gpu_memory_gb=12", "strategy.probe_reach=0.2"))
     loop, _ = study(job, 30, oom_if=lambda c: (job.assess(c).predicted_gb or 0.0) > 12 * 1.02, memory_report=False)
     runs = launched(loop)
-    probes = [i for i, o in enumerate(runs) if o.probe]
-    assert len(probes) == 1 and runs[probes[0]].kind == "oom"
-    assert sum(1 for o in runs if o.kind == "oom") == 1
+    own = [o for o in runs if o.probe and o.why.startswith("stage 2, memory probe")]
+    assert len(own) == 1 and own[0].kind == "oom"
+    # the learned judge (step 4) probes by the heuristic's rule: a probe after an OOM only while an OOM of
+    # max_ooms is left, within the same memory_probes; past max_ooms only proven fits run
+    assert sum(1 for o in runs if o.probe) <= 2 and sum(1 for o in runs if o.kind == "oom") <= 2
+    if sum(1 for o in runs if o.kind == "oom") == 2:
+        last = max(i for i, o in enumerate(runs) if o.kind == "oom")
+        assert all(loop.proof_of_fit(o.candidate) for o in runs[last + 1:])
 
 
 def test_staged_tries_the_next_mbs_of_the_best_before_tpe():

@@ -770,9 +770,11 @@ class HeuristicStrategy(Strategy):
             speed, pr = self._speed(o), self._predicted.get(k)
             if pr is None and k in self._index and len(reps) >= 3:
                 # launched without a prediction (the first run): the prior at the level the others show
+                # (none where the others lie outside this pool: staged_blackbox's stage-1 runs it asks about)
                 others = [math.log(self._speed(r) / self._prior0[self._index[kk]]) for kk, r in reps.items()
                           if kk != k and kk in self._index]
-                pr = (float(self._prior0[self._index[k]] * math.exp(float(np.median(others)))), UNANCHORED_SD)
+                if others:
+                    pr = (float(self._prior0[self._index[k]] * math.exp(float(np.median(others)))), UNANCHORED_SD)
             if pr is not None:
                 off = math.log(speed / pr[0])
                 steers = speed >= target * (1 - 3 * noise) or pr[0] * math.exp(self.kappa * pr[1]) > target
