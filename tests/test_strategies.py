@@ -235,6 +235,31 @@ def test_staged_runs_stage1_then_stage2_and_respects_stage1_trials():
     assert set(trials[0].params) <= {"tp", "pp", "cp", "ep", "etp"}
 
 
+def test_staged_asks_the_learned_judge_before_its_layout_steps(monkeypatch):
+    # after the promotions and MBS steps, stage 2 asks the default strategy's judge, fitted on every run so
+    # far (stage 1's included): its proposals carry its own why-line; the layout steps walked from where
+    # TPE's draws landed (robustness.py: Qwen3 on the speed trainer reached the optimum's layout only after
+    # max_ooms was spent, 0.758) and run only once the judge sees nothing that could beat the best
+    from zenithtune.strategies import HeuristicStrategy
+
+    def whys(loop):
+        return [o.why for o in launched(loop) if o.stage == "settings"]
+
+    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE, extra=("stage1_trials=6",))
+    loop, _ = study(job, 24)
+    judged = [w for w in whys(loop) if not w.startswith(("stage 2", "confirm"))]
+    assert judged, whys(loop)
+    first = next(i for i, w in enumerate(whys(loop)) if w in judged)
+    assert not any(w.startswith("stage 2, layout next to the best") for w in whys(loop)[:first])
+    # a judge with nothing to propose: the layout steps take over, at memory-safe settings
+    monkeypatch.setattr(HeuristicStrategy, "ask", lambda self, pending=(): None)
+    job = make_job("staged_blackbox", n_gpus=8, gbs=32, shape=MOE, extra=("stage1_trials=6",))
+    loop, _ = study(job, 24)
+    steps = [o for o in launched(loop) if o.why.startswith("stage 2, layout next to the best")]
+    assert steps and all(o.candidate["mbs"] == 1 for o in steps)
+    assert not [w for w in whys(loop) if not w.startswith(("stage 2", "confirm"))]
+
+
 def test_staged_draws_no_layout_whose_tp_crosses_nodes():
     # 32 GPUs in 4 nodes of 8: TP 16 and 32 are valid for Megatron but put every layer's collectives on the
     # network; TPE drew 7 of its 30 stage-1 layouts there (robustness.py, the 16-expert MoE on 32 H100,

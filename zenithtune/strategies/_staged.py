@@ -11,7 +11,7 @@ is pruned, and TPE learns so; the layout steps skip them). The first `n_startup_
 at random among the valid ones not drawn yet, in place of TPE's random start, whose independent draws
 of each size are mostly invalid for a MoE space. It lasts `stage1_trials` launches, or
 less when every valid layout has run. When the next OOM would be the last `max_ooms` allows, a
-layout run at memory-safe settings (here and in step 4) may carry at most `last_oom_risk` of running
+layout run at memory-safe settings (here and in step 5) may carry at most `last_oom_risk` of running
 out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
 the last OOM only proven fits run, which would keep stage 2 from every setting it has not measured. So
 do stage 2's settings, but for a promotion that plausibly beats the best by `probe_gain` (an MBS step
@@ -24,7 +24,7 @@ layout's memory floor (every layer recomputed) rather than the cheapest recomput
 
 Stage 2 ("settings") proposes, in this order, each time it is asked:
 
-0. Re-check: a run measured once that the other runs (the effects fit of step 4, without it) predict
+0. Re-check: a run measured once that the other runs (the effects fit of step 5, without it) predict
    above the best, while it measured more than a straggler's gap (record.STRAGGLER) below the best, is
    measured again: stage 1 measures each layout once, and a straggler's run (1.5x slower on a busy
    cluster) would lose its layout and the layouts next to it for good. At most `rechecks` per study,
@@ -49,7 +49,19 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    next larger MBS of every other layout whose best is within `mbs_reach` of the best: a larger
    micro-batch gains more on some layouts than on others, so the order at MBS 1 is not the final one.
    Each is measured once.
-4. Layout steps: up to `layout_steps` unmeasured layouts next to the best one (one dimension one value
+4. The learned judge: the default strategy's next proposal (HeuristicStrategy, with this study's
+   `max_ooms`, probe and last-OOM settings), asked with this strategy's history: its speed model
+   re-prices the throughput prior's components with what every run so far measured (stage 1's layouts,
+   the promotions and MBS steps), a Gaussian process corrects what that misses, and each prediction
+   carries an uncertainty that widens where the measurements contradict the prior's ranking; its memory
+   model learns from every peak and OOM. It proposes, best first, any candidate of any layout (its own
+   why-line says why), measures again what noise could have decided, and has nothing to propose once no
+   launchable candidate could beat the best. The layout steps below walked from where TPE's draws landed,
+   ranked by an additive fit without an uncertainty, and which path a study took decided its result
+   (robustness.py, Qwen3-30B-A3B on the speed trainer: the steps reached the optimum's layout after
+   `max_ooms` was spent, where nothing proved it fits, 0.758; the 64-expert MoE on 64 H100: PP 2->1 from
+   the best was never a step, 0.850-0.874). The judge ranks the layouts by one fit of every run instead.
+5. Layout steps, once the judge has nothing: up to `layout_steps` unmeasured layouts next to the best one (one dimension one value
    up or down, or one up and another down; where none is left, one or two dimensions to any value: a
    MoE space's valid layouts are sparse), at memory-safe settings; the next is the one whose changed
    values did best in the runs so far (an additive model of every run's log throughput, recompute work
@@ -59,12 +71,12 @@ Stage 2 ("settings") proposes, in this order, each time it is asked:
    does not count against `layout_steps`.
    Once the study has spent its `max_ooms`, only a layout whose memory-safe settings a run proves fit;
    with one OOM left, only one whose memory-safe settings the last-OOM stake allows.
-5. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
+6. TPE picks MBS, recompute granularity, method and layer count (and ViT checkpointing for a VLM) on
    the `top_layouts` best measured layouts; the one holding the best result gets most proposals, the
    runners-up every third. Both stages ask the same study, so TPE learns from every trial. Once the
    study has spent its `max_ooms`, the loop launches only proven fits, so instead of TPE's draws the
    untried setting of a measured layout that a run proves fits and that plausibly does best (`_proven`).
-Steps 0-4 are asked again after every launch (a new best opens new ones); TPE gets what is left.
+Steps 0-5 are asked again after every launch (a new best opens new ones); TPE gets what is left.
 """
 from __future__ import annotations
 
@@ -595,7 +607,7 @@ class StagedBlackboxStrategy(Strategy):
                             f"the search")
 
     def _layout_step(self, best: Outcome) -> Proposal | None:
-        """Step 4: an unmeasured layout next to the best one (`_adjacent`: the nearest first), or next to a
+        """Step 5: an unmeasured layout next to the best one (`_adjacent`: the nearest first), or next to a
         layout measured within STEP_REACH of it, the one that measurements so far favour, at memory-safe
         settings."""
         if self._steps_spent() >= self.layout_steps:
@@ -745,7 +757,7 @@ class StagedBlackboxStrategy(Strategy):
         return None if proposal is None else replace(proposal, stage=proposal.stage or SETTINGS_STAGE)
 
     def _proven(self, best: Outcome, pending: Sequence[dict]) -> Proposal | None:
-        """Step 5 once the study spent its `max_ooms`: TPE would draw settings no run proves fit, which
+        """Step 6 once the study spent its `max_ooms`: TPE would draw settings no run proves fit, which
         the loop refuses one after another until the study stops with launches unused (search.py,
         qwen3-30b-a3b-8xh100: 26 of 50). Instead, of the untried settings of the measured layouts that a
         run that fit proves fit, the one that plausibly does best: its layout's best times the work that
