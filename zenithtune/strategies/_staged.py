@@ -754,7 +754,7 @@ class StagedBlackboxStrategy(Strategy):
         self._judge2.free_launches = self.free_launches
         proposal = self._judge2.ask(pending)
         # its why is kept as written: the judge counts its own explorations and neighbour tests by it
-        return None if proposal is None else replace(proposal, stage=proposal.stage or SETTINGS_STAGE)
+        return None if proposal is None else replace(proposal, stage=SETTINGS_STAGE)
 
     def _proven(self, best: Outcome, pending: Sequence[dict]) -> Proposal | None:
         """Step 6 once the study spent its `max_ooms`: TPE would draw settings no run proves fit, which
