@@ -81,6 +81,32 @@ def test_a_study_shows_the_real_error_of_a_torchrun_crash(tmp_path):
     assert "Connection closed by peer" not in _trials(tmp_path / "s" / "study.db")[0].user_attrs["reasons"][0]
 
 
+# --- a rank aborting after Megatron's training loop finished: the measured run is kept, with a note ---------
+def test_a_crash_in_the_teardown_after_training_keeps_the_trial_s_score(tmp_path):
+    """Real Megatron-LM on 2 CPU ranks lost a grid run so (benchmarks/real_megatron.py): all iterations
+    printed, "[after training is done]", then "terminate called without an active exception" and exit 1."""
+    replay = FIXTURES / "megatron_cpu_replay.py"
+    r = zt(tmp_path, "-m", "n_gpus=2", "gbs=8", "strategy=grid", "n_trials=2", "gpu_memory_gb=16",
+           "evaluator=iteration_time", "storage=s/study.db", "preset.params.tp.values=[1]", "preset.params.pp.values=[1]",
+           "preset.params.cp.values=[1]", "preset.params.mbs.values=[1,4]", "preset.params.recompute_granularity.values=[none]",
+           "--", sys.executable, str(replay), "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+           "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size",
+           "8", "--vocab-size", "1024", "--zt-teardown-crash")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "-> crash" not in r.stdout, r.stdout[-3000:]
+    assert ("-> 26.9179 samples/s/GPU (scored, though it failed after its training loop: exit code 1 after "
+            "Megatron's [after training is done]: terminate called without an active exception") in r.stdout, r.stdout
+    trials = _trials(tmp_path / "s" / "study.db")
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    # the replay's samples/s/GPU for tp1 pp1 mbs 1 and 4 (tests/fixtures/megatron_cpu_replay.py)
+    assert sorted(round(t.value, 1) for t in trials) == [9.4, 26.9], [t.value for t in trials]
+    late = read_run(tmp_path / "s" / "trial_0" / "trial.json").late_failure  # type: ignore[union-attr]
+    assert late == ("exit code 1 after Megatron's [after training is done]: terminate called without an active "
+                    "exception; the training loop had finished"), late
+    assert trials[0].user_attrs["late_failure"] == late
+    assert "mbs=4" in next(line for line in r.stdout.splitlines() if line.startswith("best:"))
+
+
 # --- item 17: a metric below the printed precision stops the study at once, with the evaluator that works ---
 def test_throughput_below_the_printed_precision_stops_after_one_launch_with_the_hint(tmp_path):
     command = ["--", sys.executable, FAKE, "--counter", "count", "--tiny", *SHAPE_ARGS]

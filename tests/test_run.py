@@ -14,7 +14,7 @@ from fixtures.filling_disk import FillingDisk  # tests/ is on sys.path under pyt
 
 from zenithtune import signals
 from zenithtune.processes import kill_leftovers
-from zenithtune.run import FailureKind, RunResult, classify, command_problem, run
+from zenithtune.run import FailureKind, RunResult, classify, command_problem, late_failure, run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TREE = str(FIXTURES / "spawn_tree.py")
@@ -423,6 +423,42 @@ def test_classify(res: RunResult, kind: FailureKind | None, reason: str | None) 
 def test_crash_reason_skips_torchrun_noise() -> None:
     out = GENERIC + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n"
     assert classify(result(out)) == (FailureKind.CRASH, "exit code 1: ModuleNotFoundError: No module named 'apex'")
+
+
+# Megatron-LM on 2 CPU ranks (benchmarks/real_megatron.py's grid, TP2 MBS4 full recompute): all 6 iterations
+# ran, then rank 1 aborted while gloo was torn down; torchrun exits 1 (its traceback trimmed here)
+TEARDOWN = """\
+ [2026-12-07 14:38:45.051926] iteration        6/       6 | consumed samples:           48 | elapsed time per iteration (ms): 247.8 |
+[after training is done] datetime: 2026-12-07 14:38:45.055886
+terminate called without an active exception
+W1207 14:38:45.153000 14530 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 14553 closing signal SIGTERM
+E1207 14:38:45.223000 14530 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 1 (pid: 14554)
+Traceback (most recent call last):
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 14554)  (SIGABRT)
+"""
+
+
+def test_a_failure_after_the_training_loop_finished_keeps_the_run() -> None:
+    """Every iteration was measured before Megatron printed "[after training is done]": a crash or a hang in
+    the teardown after it is a note on a scored run, not a lost trial; before it, or with an OOM, a failure."""
+    assert classify(result(TEARDOWN)) is None
+    assert late_failure(result(TEARDOWN)) == ("exit code 1 after Megatron's [after training is done]: terminate called "
+                                              "without an active exception; the training loop had finished")
+    hung = result(TEARDOWN.split("terminate")[0], -15, timed_out=True, duration=600.0)
+    assert classify(hung) is None
+    assert late_failure(hung) == ("timed out after 600 s, after Megatron's [after training is done]: the training loop "
+                                  "had finished")
+    before = result(TEARDOWN.replace("[after training is done]", "[before the end]"))
+    assert classify(before) == (FailureKind.CRASH, "exit code 1: terminate called without an active exception")
+    assert late_failure(before) is None
+    assert classify(result(TEARDOWN + TORCH_OOM))[0] is FailureKind.OOM  # a final evaluation out of memory
+    assert late_failure(result(TEARDOWN, 0)) is None  # a success needs no note
+    assert classify(result(TEARDOWN, interrupted=True))[0] is FailureKind.INTERRUPTED
 
 
 # --- command_problem --------------------------------------------------------------------------

@@ -86,6 +86,8 @@ def _row(o: Outcome, keys: list[str]) -> tuple[list[str], str, str, str]:
     reasons = "; ".join(str(r) for r in o.reasons) if o.state in ("failed", "pruned") else ""
     if o.ok and o.stopped_after is not None:
         reasons = f"stopped once stable after {o.stopped_after} values (stop_when_stable)"
+    if o.ok and o.late_failure:
+        reasons = f"scored, though it failed after its training loop: {o.late_failure}"
     return [str(o.candidate.get(k, "")) for k in keys], value, dur, reasons
 
 

@@ -21,7 +21,7 @@ from zenithtune.evaluate import Evaluator, NoMetric, PeakMemory, TrainingClock, 
 from zenithtune.inject import inject
 from zenithtune.job import build_setting, screen_params
 from zenithtune.record import TRIAL_INFO, TRIAL_LOG, Launched, write_run
-from zenithtune.run import FailureKind, classify, run
+from zenithtune.run import FailureKind, classify, late_failure, run
 from zenithtune.settings import StableConf, ZenithtuneConf, build, trial_params, wrapped_command
 from zenithtune.slurm import node_suffix
 from zenithtune.space import options_for
@@ -124,6 +124,7 @@ def _measure(conf: ZenithtuneConf, out_dir: Path, argv: list[str], env: dict[str
                       process=res.process.to_dict() if res.process else None, metric=evaluator.metric_name)
     kept = evaluator.kept()
     report.spread, report.n_values = spread(kept), len(kept) or None
+    report.late_failure = late_failure(res) if failure is None else None  # scored: every iteration had run
     if res.stopped_early:  # a success: the score is the median of what it printed so far
         report.stopped_after, report.saved_s = len(kept), clock.left_s()
         report.note = f"stopped early after {len(kept)} values, {res.duration:.1f} s: {res.stopped_early}"

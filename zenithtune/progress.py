@@ -197,6 +197,8 @@ class Progress(Callbacks):
                 self.best = o.value
             res = f"-> {o.value:g} {self.metric}" + (f" (stopped once stable after {o.stopped_after} values)"
                                                      if o.stopped_after is not None else "")
+            if o.late_failure:
+                res = clip(f"{res} (scored, though it failed after its training loop: {o.late_failure})")
         else:
             res = clip(f"-> {o.kind}: {o.reasons[0] if o.reasons else ''}")
         best = f"best {self.best:g}" if self.best is not None else "best -"

@@ -65,6 +65,7 @@ class Attr:
     N_VALUES = "n_values"  # how many values after warm-up the score was taken from
     STOPPED_AFTER = "stopped_after"  # stop_when_stable ended the command after this many values (a success)
     SAVED_S = "saved_s"  # seconds the stopped command would still have run (its iterations left x median time)
+    LATE_FAILURE = "late_failure"  # scored although it failed: after its training loop finished (run.late_failure)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Outcome:
     n_values: int | None = None  # values after warm-up the score was taken from
     stopped_after: int | None = None  # stop_when_stable ended it after this many values; None: ran to its end
     saved_s: float | None = None  # seconds a stopped trial would still have run (estimated; None: unknown)
+    late_failure: str | None = None  # scored, but it failed after its training loop finished (run.late_failure)
     why: str = ""  # the strategy's reason for proposing it
     argv: list[str] | None = None
     env: dict[str, str] | None = None
@@ -139,6 +141,7 @@ class Launched:
     stopped_after: int | None = None  # stop_when_stable ended the command after this many values
     saved_s: float | None = None  # seconds it would still have run (iterations left x median iteration time)
     note: str | None = None  # how the run ended when that is no failure, e.g. "stopped early after 5 values, 42.0 s"
+    late_failure: str | None = None  # scored, but it failed after its training loop finished (run.late_failure)
 
 
 def write_run(path: Path, run: Launched) -> None:
@@ -167,6 +170,7 @@ def store(trial: optuna.Trial, o: Outcome) -> None:
         Attr.OUTSIDE_GB: None if o.outside_gb is None else round(o.outside_gb, 2),
         Attr.SPREAD: None if o.spread is None else round(o.spread, 5), Attr.N_VALUES: o.n_values,
         Attr.STOPPED_AFTER: o.stopped_after, Attr.SAVED_S: None if o.saved_s is None else round(o.saved_s, 1),
+        Attr.LATE_FAILURE: o.late_failure,
     }
     for key, value in attrs.items():
         if value is not None:
@@ -186,10 +190,16 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+def _text(value: Any) -> str | None:
+    """A stored line, or None unless it is a string (a study db is untrusted input)."""
+    return value if isinstance(value, str) else None
+
+
 def facts(run: Launched) -> dict[str, Any]:
     """The measurement facts of a launched run an Outcome carries as they are (`replace(outcome, **facts(run))`)."""
     return {"spread": _amount(run.spread), "n_values": _count(run.n_values),
-            "stopped_after": _count(run.stopped_after), "saved_s": _amount(run.saved_s)}
+            "stopped_after": _count(run.stopped_after), "saved_s": _amount(run.saved_s),
+            "late_failure": _text(run.late_failure)}
 
 
 def outcome_of(t: FrozenTrial) -> Outcome | None:
@@ -217,6 +227,7 @@ def outcome_of(t: FrozenTrial) -> Outcome | None:
         repeat_of=a.get(Attr.REPEAT_OF) if isinstance(a.get(Attr.REPEAT_OF), int) else None,
         spread=_amount(a.get(Attr.SPREAD)), n_values=_count(a.get(Attr.N_VALUES)),
         stopped_after=_count(a.get(Attr.STOPPED_AFTER)), saved_s=_amount(a.get(Attr.SAVED_S)),
+        late_failure=_text(a.get(Attr.LATE_FAILURE)),
         argv=a.get(Attr.ARGV), env=a.get(Attr.ENV), log=a.get(Attr.LOG), timeout=a.get(Attr.TIMEOUT),
         started=t.datetime_start, finished=t.datetime_complete)
 

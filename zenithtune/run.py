@@ -640,9 +640,32 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
+TRAINING_DONE = "[after training is done]"  # Megatron's pretrain() prints it once its training loop returned
+
+
+def late_failure(result: RunResult) -> str | None:
+    """Why a run failed only after Megatron's training loop had finished (it printed TRAINING_DONE): a
+    crash or a hang in the teardown (gloo / NCCL process groups destroyed at exit: "terminate called
+    without an active exception" on real Megatron-LM, benchmarks/results/real_megatron.md) or in a final
+    save. Every iteration was measured, so the trial keeps its score and carries this line as a note;
+    None when the run succeeded or failed before the loop ended. An out-of-memory message anywhere still
+    fails the run (`classify`): a configuration whose final evaluation runs out of memory is no answer."""
+    if result.succeeded or result.interrupted or result.log_error is not None or result.returncode is None:
+        return None
+    lines = result.output.splitlines()
+    if not any(ln.startswith(TRAINING_DONE) for ln in lines):
+        return None
+    if result.timed_out:
+        return f"timed out after {result.duration:.0f} s, after Megatron's {TRAINING_DONE}: the training loop had finished"
+    last = _last_meaningful(lines[next(k for k, ln in enumerate(lines) if ln.startswith(TRAINING_DONE)) + 1:])
+    return _short(f"{_exit_text(result.returncode)} after Megatron's {TRAINING_DONE}"
+                  + (f": {last}" if last else "") + "; the training loop had finished")
+
+
 def classify(result: RunResult) -> tuple[FailureKind, str] | None:
     """None when the run succeeded (exit 0, not timed out, not interrupted, log written, no
-    out-of-memory message); else the failure kind and one line saying why. OOM wins over everything
+    out-of-memory message; or it failed only after its training loop finished, `late_failure`); else the
+    failure kind and one line saying why. OOM wins over everything
     the command did: after one rank runs out of memory the others fail with NCCL or timeout errors
     that only hide the cause, and a trainer that catches the OOM and exits 0 still measured nothing
     worth keeping."""
@@ -656,7 +679,7 @@ def classify(result: RunResult) -> tuple[FailureKind, str] | None:
         if result.returncode == 0 and not result.timed_out:
             return FailureKind.OOM, _short(f"exit code 0, but the output says: {oom}")
         return FailureKind.OOM, oom
-    if result.succeeded:
+    if result.succeeded or late_failure(result):
         if result.feed_error:
             return FailureKind.NO_METRIC, _short(result.feed_error)
         return None
