@@ -558,7 +558,7 @@ class Claims:
 
 
 def best(outcomes: list[Outcome], direction: str) -> Outcome | None:
-    """The study's call: the best launched candidate by the median of its measurements (repeats:
+    """The study's call: the best launched candidate by `record.central` of its measurements (repeats:
     `Proposal.repeat`), a candidate without recompute pooled with its twins that recompute where the noise
     cannot tell them apart (`record.best_of`'s `pool_recompute`)."""
     return record.best_of([o for o in outcomes if o.launched], direction, pool_recompute=True)

@@ -59,7 +59,8 @@ class Proposal:
     # must never miss an OOM is a few GB pessimistic). Megatron's structural rules still apply.
     probe_memory: bool = False
     # Measure an already measured candidate again (noise): the loop launches it although it ran, records
-    # it as a repeat, and a candidate's score is then the median of its measurements (`Strategy.best`).
+    # it as a repeat, and a candidate's score is then the mean of its measurements no straggler slowed
+    # (`Strategy.best`, `record.central`).
     # A repeat is a launch: it counts against n_trials.
     repeat: bool = False
     # Launch only while the judge gives it at most this risk of running out of memory (None: any risk the
@@ -143,8 +144,9 @@ class Strategy(ABC):
         return a > b if self.direction == "maximize" else a < b
 
     def best(self) -> Outcome | None:
-        """The best measured candidate, by the median of its measurements (one per launch: repeats
-        are launches of the same candidate); its outcome nearest that median."""
+        """The best measured candidate, by `record.central` of its measurements (one per launch: repeats
+        are launches of the same candidate: the mean of those no straggler slowed); its outcome nearest
+        that value."""
         return best_of(self.history, self.direction)
 
     def measurements(self, cand: Candidate) -> list[float]:

@@ -72,7 +72,7 @@ How it chooses (each launch says which of these made it):
    OOM left, the memory edge is approached from the safe side: before a launch carrying EDGE_RISK or
    more, the variant of its layout and MBS (another recompute) with the least risk that is still
    predicted to beat the best by `min_gain` runs, and its measurement judges the heavier variants.
-6. Noise: a candidate measured more than once counts at the median of its measurements that no
+6. Noise: a candidate measured more than once counts at the mean of its measurements that no
    straggler slowed (`record.central`: those above the widest gap beyond 10 %). Within
    `repeats` launches, a result that would steer the search on one measurement is measured again
    first: one far from its prediction (beyond 3x the noise and 2 sd) that is near the best or was
@@ -395,7 +395,7 @@ class HeuristicStrategy(Strategy):
 
     def _ruled_out(self, c: dict, reps: dict[tuple, Outcome]) -> str | None:
         """Why measurements rule this candidate out, or None (`reps`: one outcome per measured candidate,
-        at its median)."""
+        at `record.central` of its measurements)."""
         lay, rec, mbs = _lay(c), _rec(c), c.get("mbs", 1)
         for o in self.history:
             oc = o.candidate
@@ -440,7 +440,7 @@ class HeuristicStrategy(Strategy):
         self.stop_reason = ""
         self._pending = list(pending)
         tried = self.tried_keys(pending)  # told, or pending in this wave (parallel_trials): the next best
-        reps = self._reps()  # one outcome per measured candidate, at the median of its unslowed measurements
+        reps = self._reps()  # one outcome per measured candidate, at the mean of its unslowed measurements
         ok = list(reps.values())
         if not ok:
             return self._first(tried)
@@ -709,7 +709,7 @@ class HeuristicStrategy(Strategy):
     def _reps(self) -> dict[tuple, Outcome]:
         """One outcome per measured candidate, in the order the candidates were first measured; one
         measured more than once carries `record.central` of its usable measurements as its value (the
-        median of those no straggler slowed)."""
+        mean of those no straggler slowed)."""
         groups: dict[tuple, list[Outcome]] = {}
         for o in self.history:
             if o.usable:
