@@ -653,11 +653,12 @@ def late_failure(result: RunResult) -> str | None:
     if result.succeeded or result.interrupted or result.log_error is not None or result.returncode is None:
         return None
     lines = result.output.splitlines()
-    if not any(ln.startswith(TRAINING_DONE) for ln in lines):
+    done = next((k for k, ln in enumerate(lines) if ln.startswith(TRAINING_DONE)), None)
+    if done is None:
         return None
     if result.timed_out:
         return f"timed out after {result.duration:.0f} s, after Megatron's {TRAINING_DONE}: the training loop had finished"
-    last = _last_meaningful(lines[next(k for k, ln in enumerate(lines) if ln.startswith(TRAINING_DONE)) + 1:])
+    last = _last_meaningful(lines[done + 1:])
     return _short(f"{_exit_text(result.returncode)} after Megatron's {TRAINING_DONE}"
                   + (f": {last}" if last else "") + "; the training loop had finished")
 
