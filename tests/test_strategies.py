@@ -26,7 +26,7 @@ from zenithtune.memory import MemoryModel
 from zenithtune.sim import simulate
 from zenithtune.sim.inprocess import launcher
 from zenithtune.strategies import Outcome
-from zenithtune.strategies._heuristic import _lay
+from zenithtune.strategies._heuristic import NOVEL_RISK, _lay
 from zenithtune.validate import required_env
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -1848,3 +1848,45 @@ def test_staged_layout_step_with_one_oom_left_skips_a_layout_the_stake_refuses()
     assert step is not None and step.max_risk == st.last_oom_risk
     assert {k: step.fixed[k] for k in here} != hot and assess(step.fixed).oom_risk <= step.max_risk, step.fixed
     assert "layout next to the best" in step.why
+
+
+
+def test_heuristic_doubts_an_mbs_that_ran_out_of_memory_until_a_run_holding_as_much_fits_there():
+    # benchmarks/robustness.py, GQA-13B on 16 A100, memory trainer (its activations grow faster than the MBS),
+    # noise off: TP2 CP4 at MBS 8 without recompute ran out of memory. A run at MBS 8 with full recompute had
+    # fit, so MBS 8 counted as measured, and the best's MBS test, TP4 MBS 8 with selective recompute (74 of
+    # 79 GB predicted), spent the last OOM; nothing then proved the optimum's TP2 PP1 fits (0.979). A fit
+    # with full recompute holds a fraction of the activations: until a run holding as many (full < selective
+    # < none) fits at least that large, an MBS at or above the MBS step that ran out carries the widened
+    # doubt of new ground (at most NOVEL_RISK of running out).
+    job = make_job("heuristic", n_gpus=16, gbs=128, gpu="a100-80g", switches=True, shape=GQA_13B,
+                   extra=("mbs_max=8",))
+    st = job.strategy
+    st.setup(job, [])
+
+    def cand(**kw):
+        c = job.space.normalize({"tp": 4, "pp": 1, "cp": 1, "tp_comm_overlap": True, **kw})
+        assert job.assess(c).valid, c
+        return c
+
+    full8 = cand(tp=8, cp=2, mbs=8, recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    none4 = cand(mbs=4, recompute_granularity="none")
+    oom8 = cand(tp=2, pp=2, vp=5, cp=4, mbs=8, recompute_granularity="none")
+    for n, (c, v) in enumerate(((full8, 180.0), (none4, 207.0), (oom8, None))):
+        st.tell(Outcome(candidate=c, state="complete" if v else "failed", value=v, launched=True, trial_number=n,
+                        kind=None if v else "oom"))
+    selective8 = cand(mbs=8, recompute_granularity="selective", recompute_modules="mlp")
+    novel = st._risk(selective8)[1]
+    assert novel is not None and novel[1] == NOVEL_RISK, novel
+    assert novel[0].startswith("mbs 8, where mbs 8 ran out of memory (trial 2)"), novel
+    assert "as large (4)" in novel[0], novel
+    # below the step, or holding no more than the run that fit at MBS 8 (full recompute): no doubt
+    assert st._risk(cand(mbs=4, recompute_granularity="selective", recompute_modules="mlp"))[1] is None
+    assert st._risk(cand(mbs=8, recompute_granularity="full", recompute_method="block",
+                         recompute_num_layers=2))[1] is None
+    # a run holding as many that fit at MBS 8 ends the doubt (selective covers selective, not none)
+    st.tell(Outcome(candidate=cand(tp=8, mbs=8, recompute_granularity="selective", recompute_modules="core_attn"),
+                    state="complete", value=190.0, launched=True, trial_number=3))
+    assert st._risk(selective8)[1] is None
+    still = st._risk(cand(mbs=8, recompute_granularity="none"))[1]
+    assert still is not None and still[0].startswith("mbs 8, where mbs 8 ran out of memory"), still

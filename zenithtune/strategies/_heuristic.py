@@ -28,7 +28,9 @@ How it chooses (each launch says which of these made it):
    not prove fits (dominance.py; the study loop enforces the same cap for every strategy); for an MoE
    model, a TP / EP / expert-TP split no run that fit had (a dense model's TP too, once it ran out of
    memory there before any run fit on it), or (any model) an MBS over twice the largest
-   that fit on its split, carrying more than NOVEL_RISK of running out once its doubt is widened by
+   that fit on its split, or an MBS at or above an MBS step that ran out of memory (above 1 and above
+   every MBS that fit holding as many activations) and above the largest that fit holding as many
+   activations as it does (full recompute < selective < none), carrying more than NOVEL_RISK of running out once its doubt is widened by
    NOVEL_MEMORY_SD (RISK_DONE where that split ran out of memory and never fit), and such a split at an
    MBS over twice the largest that fit on any split (both novelties compound): `max_ooms` is spent where
    runs showed how this trainer uses memory; a larger MBS or more recomputed layers of a layout that
@@ -174,6 +176,12 @@ def _split(c: dict) -> tuple:
     return c.get("tp"), c.get("ep"), c.get("etp")
 
 
+def _held(c: dict) -> int:
+    """How many of a layer's activations a candidate holds: 0 with full recompute, 1 selective, 2 none."""
+    g = c.get("recompute_granularity") or "none"
+    return 0 if g == "full" else 1 if g == "selective" else 2
+
+
 def _rec(c: dict) -> tuple:
     g = c.get("recompute_granularity")
     return (g, c.get("recompute_method")) if g == "full" else (g, c.get("recompute_modules"))
@@ -311,15 +319,33 @@ class HeuristicStrategy(Strategy):
         if getattr(self, "_covered_at", None) != len(self.history):
             self._covered: dict[tuple, int] = {}  # split -> the largest MBS a run that fit had on it
             self._split_ooms: dict[tuple, int] = {}  # split -> a trial that ran out of memory on it
+            self._mbs_ooms: dict[tuple[int, int], int] = {}  # (mbs, `_held`) -> a trial that ran out of memory so
+            self._fit_mbs: dict[int, int] = {}  # activations held (`_held`) -> the largest MBS a run that fit had
             for o in self.history:
                 k = _split(o.candidate)
                 if o.ok:
                     self._covered[k] = max(self._covered.get(k, 0), int(o.candidate.get("mbs", 1)))
+                    h = _held(o.candidate)
+                    self._fit_mbs[h] = max(self._fit_mbs.get(h, 0), int(o.candidate.get("mbs", 1)))
                 elif o.launched and o.kind == FailureKind.OOM:
                     self._split_ooms.setdefault(k, o.trial_number or 0)
+                    self._mbs_ooms.setdefault((int(o.candidate.get("mbs", 1)), _held(o.candidate)),
+                                              o.trial_number or 0)
             self._covered_at = len(self.history)
         if not self._covered:
             return None
+        mbs = int(c.get("mbs", 1))
+        # MBS steps that ran out of memory: above 1 and above every MBS that fit holding as many activations
+        shown = [(m, t) for (m, h), t in self._mbs_ooms.items() if 1 < m <= mbs and m > self._fit_mbs_held(h)]
+        if shown and mbs > self._fit_mbs_held(_held(c)):
+            # the trainer's activations at this MBS are shown to exceed the estimate, and no run says by how
+            # much; a run that fit at this MBS with full recompute held a fraction of them (robustness.py,
+            # GQA-13B on 16 A100, memory trainer: TP2 CP4 at MBS 8 without recompute ran out; the best's MBS
+            # test, TP4 MBS 8 with selective recompute, predicted 74 of 79 GB, spent the last OOM, after
+            # which no run proved the optimum's TP2 PP1 fits: 0.979)
+            m, t = min(shown)
+            return (f"mbs {mbs}, where mbs {m} ran out of memory (trial {t}) and no run that fit holding as many "
+                    f"activations was as large ({self._fit_mbs_held(_held(c))})"), NOVEL_RISK
         top = self._covered.get(_split(c))
         if top is None and not self.ctx.model.num_experts and _split(c) not in self._split_ooms:
             # a dense model's memory splits by TP as the estimate says (weights / tp, activations / tp
@@ -341,6 +367,10 @@ class HeuristicStrategy(Strategy):
         if int(c.get("mbs", 1)) > 2 * top:
             return f"mbs {c.get('mbs')}, over twice the largest that fit on its split ({top})", NOVEL_RISK
         return None
+
+    def _fit_mbs_held(self, held: int) -> int:
+        """The largest MBS a run that fit had holding at least `held` activations (`_held`), 0 if none."""
+        return max((m for h, m in self._fit_mbs.items() if h >= held), default=0)
 
     def _risk(self, c: dict) -> tuple[float, tuple[str, float] | None]:
         """The OOM risk a launch of `c` carries and, where no run covered it, what and the risk allowed
