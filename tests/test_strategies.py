@@ -1850,7 +1850,6 @@ def test_staged_layout_step_with_one_oom_left_skips_a_layout_the_stake_refuses()
     assert "layout next to the best" in step.why
 
 
-
 def test_heuristic_doubts_an_mbs_that_ran_out_of_memory_until_a_run_holding_as_much_fits_there():
     # benchmarks/robustness.py, GQA-13B on 16 A100, memory trainer (its activations grow faster than the MBS),
     # noise off: TP2 CP4 at MBS 8 without recompute ran out of memory. A run at MBS 8 with full recompute had

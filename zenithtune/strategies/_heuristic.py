@@ -30,9 +30,10 @@ How it chooses (each launch says which of these made it):
    memory there before any run fit on it), or (any model) an MBS over twice the largest
    that fit on its split, or an MBS at or above an MBS step that ran out of memory (above 1 and above
    every MBS that fit holding as many activations) and above the largest that fit holding as many
-   activations as it does (full recompute < selective < none), carrying more than NOVEL_RISK of running out once its doubt is widened by
-   NOVEL_MEMORY_SD (RISK_DONE where that split ran out of memory and never fit), and such a split at an
-   MBS over twice the largest that fit on any split (both novelties compound): `max_ooms` is spent where
+   activations as it does (full recompute < selective < none), carrying more than NOVEL_RISK of
+   running out once its doubt is widened by NOVEL_MEMORY_SD (RISK_DONE where that split ran out of
+   memory and never fit), and such a split at an MBS over twice the largest that fit on any split
+   (both novelties compound): `max_ooms` is spent where
    runs showed how this trainer uses memory; a larger MBS or more recomputed layers of a layout that
    already lost to a smaller one; a layout that crashed.
    When nothing the screen allows could beat the best, a budgeted memory probe
@@ -322,22 +323,21 @@ class HeuristicStrategy(Strategy):
             self._mbs_ooms: dict[tuple[int, int], int] = {}  # (mbs, `_held`) -> a trial that ran out of memory so
             self._fit_mbs: dict[int, int] = {}  # activations held (`_held`) -> the largest MBS a run that fit had
             for o in self.history:
-                k = _split(o.candidate)
+                k, m, h = _split(o.candidate), int(o.candidate.get("mbs", 1)), _held(o.candidate)
                 if o.ok:
-                    self._covered[k] = max(self._covered.get(k, 0), int(o.candidate.get("mbs", 1)))
-                    h = _held(o.candidate)
-                    self._fit_mbs[h] = max(self._fit_mbs.get(h, 0), int(o.candidate.get("mbs", 1)))
+                    self._covered[k] = max(self._covered.get(k, 0), m)
+                    self._fit_mbs[h] = max(self._fit_mbs.get(h, 0), m)
                 elif o.launched and o.kind == FailureKind.OOM:
                     self._split_ooms.setdefault(k, o.trial_number or 0)
-                    self._mbs_ooms.setdefault((int(o.candidate.get("mbs", 1)), _held(o.candidate)),
-                                              o.trial_number or 0)
+                    self._mbs_ooms.setdefault((m, h), o.trial_number or 0)
             self._covered_at = len(self.history)
         if not self._covered:
             return None
         mbs = int(c.get("mbs", 1))
         # MBS steps that ran out of memory: above 1 and above every MBS that fit holding as many activations
         shown = [(m, t) for (m, h), t in self._mbs_ooms.items() if 1 < m <= mbs and m > self._fit_mbs_held(h)]
-        if shown and mbs > self._fit_mbs_held(_held(c)):
+        fit_here = self._fit_mbs_held(_held(c))
+        if shown and mbs > fit_here:
             # the trainer's activations at this MBS are shown to exceed the estimate, and no run says by how
             # much; a run that fit at this MBS with full recompute held a fraction of them (robustness.py,
             # GQA-13B on 16 A100, memory trainer: TP2 CP4 at MBS 8 without recompute ran out; the best's MBS
@@ -345,7 +345,7 @@ class HeuristicStrategy(Strategy):
             # which no run proved the optimum's TP2 PP1 fits: 0.979)
             m, t = min(shown)
             return (f"mbs {mbs}, where mbs {m} ran out of memory (trial {t}) and no run that fit holding as many "
-                    f"activations was as large ({self._fit_mbs_held(_held(c))})"), NOVEL_RISK
+                    f"activations was as large ({fit_here})"), NOVEL_RISK
         top = self._covered.get(_split(c))
         if top is None and not self.ctx.model.num_experts and _split(c) not in self._split_ooms:
             # a dense model's memory splits by TP as the estimate says (weights / tp, activations / tp
@@ -357,14 +357,14 @@ class HeuristicStrategy(Strategy):
             if oom is not None:  # its law is shown to be other than the model's, and no run says which
                 return f"a tp/ep/etp split that ran out of memory (trial {oom}) and never fit", RISK_DONE
             widest = max(self._covered.values())
-            if int(c.get("mbs", 1)) > 2 * widest:
+            if mbs > 2 * widest:
                 # both novelties at once compound beyond any widening of one prediction: the split's law and
                 # activations that grow faster than the MBS (the 64-expert MoE on the stand-in trainer: TP 4
                 # / EP 8 at MBS 8, predicted 27 GB after one run at MBS 2, ran out of memory as the 2nd launch)
                 return (f"a tp/ep/etp split no run that fit had, at mbs {c.get('mbs')}, over twice the largest "
                         f"that fit on any ({widest})"), 0.0
             return "a tp/ep/etp split no run that fit had", NOVEL_RISK
-        if int(c.get("mbs", 1)) > 2 * top:
+        if mbs > 2 * top:
             return f"mbs {c.get('mbs')}, over twice the largest that fit on its split ({top})", NOVEL_RISK
         return None
 
