@@ -142,6 +142,13 @@ def alive(jobs: list[str]) -> list[str]:
     return [j for j, (state, _) in slurm.queue(jobs).items() if state in slurm.ALIVE]
 
 
+def squeue_now() -> str:
+    """Every job Slurm's controller lists with its state and reason, "; " between them (a failed wait's
+    message)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i %j %T %r"], capture_output=True, text=True).stdout
+    return "; ".join(line for line in out.splitlines() if line.strip()) or "no job"
+
+
 def started(tmp_path: Path, slot: int) -> str:
     """The job id the run in `slot` wrote once it started ('' before)."""
     path = tmp_path / f"started{slot}"
@@ -186,21 +193,15 @@ def test_a_request_slurm_cannot_run_stops_at_the_first_wave_without_spending_bud
         assert [t.user_attrs["candidate"] for t in launched(tmp_path)] == refused
 
 
-def squeue_now() -> str:
-    """Every job Slurm's controller lists, "; " between them (for a failed wait's message)."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i %j %T %r"], capture_output=True, text=True).stdout
-    return "; ".join(out.split("\n")).strip("; ") or "empty"
-
-
 def test_a_wave_waiting_in_the_queue_shows_why_and_queue_timeout_ends_the_wait(tmp_path):
     blocker = subprocess.run(["sbatch", "--parsable", "-N2", "--exclusive", "-J", "zt-blocker", "-o", "/dev/null",
                               "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
     try:
         # it needs both nodes: a job of an earlier test may still hold one while Slurm ends it (a .ci/run
-        # beside another test run on 2 cores waited past 60 s once), so the bound is the other waits' and more
-        state = lambda: slurm.queue([blocker]).get(blocker, ("", ""))  # noqa: E731
-        wait_for(lambda: state()[0] == "RUNNING", 180, "the blocker job to run",
-                 lambda: f"state {state()[0] or 'gone'}, reason {state()[1] or '-'}; squeue: {squeue_now()}")
+        # beside another test run on 2 cores waited past 60 s once), so the bound is the other waits' and
+        # more; a timeout lists the queue (squeue_now), which names what held them
+        wait_for(lambda: slurm.queue([blocker]).get(blocker, ("", ""))[0] == "RUNNING", 180,
+                 "the blocker job to run", squeue_now)
         res = zt(tmp_path, ["ok"], "n_gpus=4", "n_trials=2", "slurm.queue_timeout=8")
     finally:
         slurm.cancel([blocker])
