@@ -235,6 +235,16 @@ def test_staged_runs_stage1_then_stage2_and_respects_stage1_trials():
     assert set(trials[0].params) <= {"tp", "pp", "cp", "ep", "etp"}
 
 
+def test_staged_leaves_stage_2_its_share_of_a_short_budget():
+    # stage1_trials left out is a share of n_trials: a fixed 30 spent a study of n_trials=12 on stage 1 alone,
+    # the best layout's settings never tuned
+    job = make_job("staged_blackbox", extra=("n_trials=12",))
+    loop, _ = study(job, 12)
+    stages = [o.stage for o in launched(loop)]
+    assert stages[:7] == ["layout"] * 7 and "layout" not in stages[7:] and len(stages) == 12
+    assert make_job("staged_blackbox", extra=("n_trials=50",)).strategy.stage1_trials == 30
+
+
 def test_staged_asks_the_learned_judge_before_its_layout_steps(monkeypatch):
     # after the promotions and MBS steps, stage 2 asks the default strategy's judge, fitted on every run so
     # far (stage 1's included): its proposals carry its own why-line; the layout steps walked from where

@@ -112,6 +112,8 @@ BAD_INPUTS = [
     (["-m", "n_gpus=8", "gbs=64", "--"], "nothing after `--`"),
     (["-m", "n_gpus=8", "gbs=64", "mbs_max=0"], "mbs_max=0 must be a positive whole number"),
     (["-m", "n_gpus=8", "gbs=64", "max_ooms=-1"], "max_ooms=-1 must be a whole number >= 0"),
+    (["-m", "n_gpus=8", "gbs=64", "strategy=staged_blackbox", "n_trials=20", "stage1_trials=30"],
+     "stage1_trials=30 leaves none of n_trials=20 launches to stage 2"),
     (["-m", "--", "python", "train.py", "n_gpus=8", "gbs=64"], "n_gpus=8 came after `--` (the training command)"),
 ]
 

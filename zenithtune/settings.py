@@ -66,7 +66,7 @@ class ZenithtuneConf:
     n_trials: int = MISSING  # launched trials at most
     fail_fast: int = MISSING  # stop when the first N launches all fail; 0 = never
     max_ooms: int = 2  # launches that may run out of memory per study; then only proven fits
-    stage1_trials: int = MISSING  # staged_blackbox: launches on the layout before stage 2
+    stage1_trials: Optional[int] = None  # staged_blackbox: launches on the layout before stage 2; None = a share of n_trials
     timeout: Optional[float] = None  # seconds per trial; None = no limit
     timeout_dynamic: bool = MISSING  # derive each trial's limit from the fastest success
     timeout_dynamic_factor: float = MISSING
@@ -202,7 +202,8 @@ def check(conf: ZenithtuneConf) -> None:
     _positive(conf, "n_trials", "n_trials=50")
     _positive(conf, "fail_fast", "fail_fast=5", zero_ok=True)
     _positive(conf, "max_ooms", "max_ooms=2", zero_ok=True)
-    _positive(conf, "stage1_trials", "stage1_trials=30")
+    if conf.stage1_trials is not None:
+        _positive(conf, "stage1_trials", "stage1_trials=30; or leave it out (null) for 60 % of n_trials")
     _positive(conf, "parallel_trials", "parallel_trials=4")
     _positive(conf, "heartbeat_interval", "heartbeat_interval=10")
     _positive(conf, "heartbeat_grace", "heartbeat_grace=60")

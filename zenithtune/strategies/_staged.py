@@ -9,7 +9,8 @@ to an OOM. Only the layout is an Optuna parameter of these trials, so stage 1 do
 of MBS, vp or recompute. A layout whose TP crosses nodes is not drawn (`tp_within_node`: TPE's draw of one
 is pruned, and TPE learns so; the layout steps skip them). The first `n_startup_trials` layouts are drawn
 at random among the valid ones not drawn yet, in place of TPE's random start, whose independent draws
-of each size are mostly invalid for a MoE space. It lasts `stage1_trials` launches, or
+of each size are mostly invalid for a MoE space. It lasts `stage1_trials` launches (left out,
+STAGE1_SHARE of the study's `n_trials`: a fixed count took a short study whole), or
 less when every valid layout has run. When the next OOM would be the last `max_ooms` allows, a
 layout run at memory-safe settings (here and in step 5) may carry at most `last_oom_risk` of running
 out under the learned memory model; the loop prunes one above it and TPE draws another layout: after
@@ -131,15 +132,28 @@ NEIGHBOUR_EXTRA_WORK = 0.1
 # Layout steps (`_layout_step`) start from the best layout and from every layout measured within this share
 # of it: the noise and unequal tuning can put the better one just below.
 STEP_REACH = 0.05
+# Stage 1's share of the study's launches when `stage1_trials` is left out (null), of STAGE1_BUDGET when the
+# strategy is built without the study's n_trials (conf/config.yaml's default)
+STAGE1_SHARE = 0.6
+STAGE1_BUDGET = 50
 
 
 class StagedBlackboxStrategy(Strategy):
-    def __init__(self, stage1_trials: int = 30, top_layouts: int = 2, seed: int = 0, n_startup_trials: int = 10,
+    def __init__(self, stage1_trials: int | None = None, n_trials: int | None = None, top_layouts: int = 2,
+                 seed: int = 0, n_startup_trials: int = 10,
                  patience: int = 5, memory_probes: int = 2, probe_reach: float = 0.10, probe_gain: float = 0.02,
                  min_gain: float = 0.01, layout_steps: int = 6, mbs_reach: float = 0.1, probe_risk: float = 0.95,
                  max_ooms: int = 2, last_oom_risk: float = 0.25, tp_within_node: bool = True, rechecks: int = 2):
-        if int(stage1_trials) < 1:
+        if stage1_trials is None:
+            # the study's budget split: stage 2 (the judge, promotions, TPE on the settings) gets the rest
+            stage1_trials = max(1, round(STAGE1_SHARE * (n_trials or STAGE1_BUDGET)))
+        elif int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
+        elif n_trials is not None and int(stage1_trials) >= int(n_trials):
+            raise ValueError(f"stage1_trials={stage1_trials} leaves none of n_trials={n_trials} launches to stage 2 "
+                             f"(the settings of the best layouts): set stage1_trials below n_trials, or leave it "
+                             f"out (null: {100 * STAGE1_SHARE:g} % of n_trials, "
+                             f"{max(1, round(STAGE1_SHARE * int(n_trials)))} here)")
         if int(top_layouts) < 1:
             raise ValueError(f"top_layouts={top_layouts} must be >= 1 (layouts tuned in stage 2)")
         if int(memory_probes) < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1 or not 0 <= min_gain < 1:
