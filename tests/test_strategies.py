@@ -243,6 +243,10 @@ def test_staged_leaves_stage_2_its_share_of_a_short_budget():
     stages = [o.stage for o in launched(loop)]
     assert stages[:7] == ["layout"] * 7 and "layout" not in stages[7:] and len(stages) == 12
     assert make_job("staged_blackbox", extra=("n_trials=50",)).strategy.stage1_trials == 30
+    # resumed with n_trials=20 (stage 1's share now 12), the study goes on with stage 2, not back to stage 1
+    again = make_job("staged_blackbox", extra=("n_trials=20",))
+    again.strategy.setup(again, list(loop.outcomes))
+    assert again.strategy.stage1_trials == 12 and again.strategy.ask().stage == "settings"
 
 
 def test_staged_asks_the_learned_judge_before_its_layout_steps(monkeypatch):

@@ -146,14 +146,13 @@ class StagedBlackboxStrategy(Strategy):
                  max_ooms: int = 2, last_oom_risk: float = 0.25, tp_within_node: bool = True, rechecks: int = 2):
         if stage1_trials is None:
             # the study's budget split: stage 2 (the judge, promotions, TPE on the settings) gets the rest
-            stage1_trials = max(1, round(STAGE1_SHARE * (n_trials or STAGE1_BUDGET)))
+            stage1_trials = _stage1_share(n_trials or STAGE1_BUDGET)
         elif int(stage1_trials) < 1:
             raise ValueError(f"stage1_trials={stage1_trials} must be >= 1 (launches spent on the layout)")
         elif n_trials is not None and int(stage1_trials) >= int(n_trials):
             raise ValueError(f"stage1_trials={stage1_trials} leaves none of n_trials={n_trials} launches to stage 2 "
                              f"(the settings of the best layouts): set stage1_trials below n_trials, or leave it "
-                             f"out (null: {100 * STAGE1_SHARE:g} % of n_trials, "
-                             f"{max(1, round(STAGE1_SHARE * int(n_trials)))} here)")
+                             f"out (null: {100 * STAGE1_SHARE:g} % of n_trials, {_stage1_share(int(n_trials))} here)")
         if int(top_layouts) < 1:
             raise ValueError(f"top_layouts={top_layouts} must be >= 1 (layouts tuned in stage 2)")
         if int(memory_probes) < 0 or not 0 <= probe_reach <= 0.5 or not 0 <= probe_gain < 1 or not 0 <= min_gain < 1:
@@ -251,6 +250,9 @@ class StagedBlackboxStrategy(Strategy):
         if outcome.stage == LAYOUT_STAGE:
             self._stage1_layouts.add(lay)
             self._stage1_launched += outcome.launched
+        elif outcome.stage == SETTINGS_STAGE:
+            # a study resumed with a larger n_trials (so a larger share for stage 1) goes on with stage 2
+            self._stage1_done = True
         self._streak = 0 if outcome.launched else self._streak + 1
 
     def _untried(self, lay: tuple) -> list[dict]:
@@ -802,6 +804,11 @@ class StagedBlackboxStrategy(Strategy):
                             f"layout that could beat the best by {100 * self.min_gain:g} % (by the work it saves), "
                             f"nor of the {self.top_layouts} best layouts, is proven to fit")
         return None
+
+
+def _stage1_share(n_trials: int) -> int:
+    """Stage 1's launches when `stage1_trials` is left out: STAGE1_SHARE of the study's budget."""
+    return max(1, round(STAGE1_SHARE * n_trials))
 
 
 def _layout(space, cand: dict) -> tuple:
